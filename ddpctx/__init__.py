@@ -1,0 +1,33 @@
+"""ddpctx: torchrun + DistributedDataParallel plumbing that is safe and short.
+
+>>> from ddpctx import distributed
+>>> with distributed(seed=42) as ctx:
+...     ctx.world_size
+1
+"""
+
+from ddpctx.compat import (
+    cleanup_ddp,
+    format_time,
+    get_model_size,
+    reduce_tensor,
+    set_seed,
+    setup_ddp,
+)
+from ddpctx.context import DistContext, DistributedSession, current, distributed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistContext",
+    "DistributedSession",
+    "__version__",
+    "cleanup_ddp",
+    "current",
+    "distributed",
+    "format_time",
+    "get_model_size",
+    "reduce_tensor",
+    "set_seed",
+    "setup_ddp",
+]

@@ -1,0 +1,105 @@
+"""Helpers for tests that start real processes: torchrun runs and socket tables."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child: this one, without launcher variables, plus ``extra``."""
+    from tests.conftest import LAUNCHER_NAMES, LAUNCHER_PREFIXES
+
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in LAUNCHER_NAMES and not name.startswith(LAUNCHER_PREFIXES)
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(
+    script: Path, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python script args`` as one process, bounded in time."""
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or child_env(),
+        cwd=REPO,
+    )
+
+
+def run_torchrun(
+    script: Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``torchrun --standalone --nproc_per_node=nproc script args``, bounded in time.
+
+    ``subprocess.run`` kills torchrun on timeout; torchrun's workers are in its
+    process group and die with it (``--monitor-interval`` keeps failure
+    detection fast).
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--monitor-interval=0.2",
+        str(script),
+        *args,
+    ]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or child_env(),
+        cwd=REPO,
+    )
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """``ip:port`` of every TCP socket ``pid`` is listening on (Linux /proc)."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(address_hex)
+            # /proc prints each 32-bit word in host byte order.
+            words = [
+                struct.pack("<I", struct.unpack(">I", raw[i : i + 4])[0])
+                for i in range(0, len(raw), 4)
+            ]
+            address = socket.inet_ntop(family, b"".join(words))
+            found.append(f"{address}:{int(port_hex, 16)}")
+    return found

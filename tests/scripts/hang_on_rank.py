@@ -1,0 +1,16 @@
+"""Rank 1 never joins the collective; rank 0's timeout must end the wait."""
+
+import sys
+import time
+
+from ddpctx import distributed
+
+with distributed(timeout=float(sys.argv[1])) as ctx:
+    ctx.barrier()
+    if ctx.rank == 1:
+        time.sleep(60)
+    started = time.monotonic()
+    try:
+        ctx.barrier()
+    finally:
+        print(f"RANK0-WAITED {time.monotonic() - started:.1f}", flush=True)

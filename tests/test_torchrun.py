@@ -1,0 +1,86 @@
+"""Two ranks under a real ``torchrun``, with a real gloo process group."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, run_torchrun
+
+Report = tuple[list[dict[str, Any]], str]
+
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+@pytest.fixture(scope="module")
+def two_rank_report(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    out = tmp_path_factory.mktemp("report")
+    result = run_torchrun(SCRIPTS / "report_ranks.py", str(out), nproc=2, timeout=120)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return records, result.stdout
+
+
+def test_each_rank_gets_its_place_in_the_job(two_rank_report: Report) -> None:
+    records, _ = two_rank_report
+    assert [(r["rank"], r["local_rank"]) for r in records] == [(0, 0), (1, 1)]
+    for record in records:
+        assert record["world_size"] == record["local_world_size"] == 2
+        assert (record["launcher"], record["backend"], record["device"]) == (
+            "torchrun",
+            "gloo",
+            "cpu",
+        )
+        assert record["node_rank"] == 0
+
+
+def test_seeds_are_offset_by_rank_so_draws_differ(two_rank_report: Report) -> None:
+    records, _ = two_rank_report
+    assert [r["seed"] for r in records] == [42, 43]
+    assert records[0]["draw"] != records[1]["draw"]
+
+
+def test_collectives_and_reduce_tensor_give_the_true_mean(two_rank_report: Report) -> None:
+    records, _ = two_rank_report
+    for rank, record in enumerate(records):
+        assert record["sum"] == 3.0
+        assert record["mean"] == 1.5  # (1 + 2) / 2, not divided twice
+        assert record["input_after_reduce"] == rank + 1.0  # input untouched
+
+
+def test_print_appears_once_and_groups_are_destroyed(two_rank_report: Report) -> None:
+    _, stdout = two_rank_report
+    assert stdout.count("PRINTED-BY-MAIN-ONLY") == 1
+    assert stdout.count("GROUP-ALIVE-AFTER-EXIT False") == 2
+
+
+def test_an_exception_on_one_rank_ends_the_job_naming_that_rank() -> None:
+    started = time.monotonic()
+    result = run_torchrun(SCRIPTS / "fail_on_rank.py", nproc=2, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    report = result.stderr
+    root_cause = report[report.index("Root Cause") :]
+    assert "rank      : 1 (local_rank: 1)" in root_cause
+    assert "ValueError: boom from rank 1" in root_cause
+    assert 'raise ValueError(f"boom from rank {rank}")' in root_cause  # the traceback itself
+    assert "error_file: <N/A>" not in root_cause
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after one rank failed"
+
+
+def test_the_timeout_bounds_a_collective_that_a_rank_never_joins() -> None:
+    result = run_torchrun(SCRIPTS / "hang_on_rank.py", "3", nproc=2, timeout=120)
+    assert result.returncode != 0
+    waited = [
+        float(line.split()[1])
+        for line in result.stdout.splitlines()
+        if line.startswith("RANK0-WAITED")
+    ]
+    assert waited, result.stdout
+    assert waited[0] < 20
+    root_cause = result.stderr[result.stderr.index("Root Cause") :]
+    assert "rank      : 0" in root_cause
+    assert "Timed out" in root_cause
