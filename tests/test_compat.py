@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import re
 import random
+import re
 
 import pytest
 import torch
