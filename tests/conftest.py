@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 import ddpctx
 
+# Scripts that the tests launch as separate processes, not test modules.
+collect_ignore = ["scripts"]
+
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_")
 LAUNCHER_NAMES = (
     "RANK",
