@@ -19,19 +19,14 @@ Example:
 
 from __future__ import annotations
 
+import sys
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ddpctx.collectives import Site, all_reduce_tree, check_op, group_size
 from ddpctx.context import current, distributed
 from ddpctx.seeding import seed_everything, validate_seed
-
-_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "prod": dist.ReduceOp.PRODUCT,
-}
 
 
 def setup_ddp() -> tuple[int, int, int]:
@@ -82,33 +77,28 @@ def reduce_tensor(
 
     ``op`` is ``"mean"`` (alias ``"avg"``), ``"sum"``, ``"max"``, ``"min"`` or
     ``"prod"``. ``world_size`` is accepted for old call sites and checked
-    against the actual group size. Without a process group the result is a copy.
+    against the actual group size. Runs on the engine behind ``@all_reduced``,
+    so ranks passing different shapes get an error, not garbage.
 
     >>> reduce_tensor(torch.tensor([2.0, 4.0]))
     tensor([2., 4.])
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"reduce_tensor() needs a torch.Tensor, got {type(tensor).__name__}.")
-    name = op.lower()
-    if name not in (*_OPS, "mean", "avg"):
-        raise ValueError(
-            f"op={op!r} is not a reduction; use 'mean', 'sum', 'max', 'min' or 'prod'."
-        )
-    actual = dist.get_world_size() if dist.is_initialized() else 1
+    name = "mean" if isinstance(op, str) and op.lower() == "avg" else op
+    check_op(name)
+    actual = group_size()
     if world_size is not None and world_size != actual:
         raise ValueError(
             f"world_size={world_size} but the process group has {actual} ranks; pass "
             "world_size=None (or the group's size)."
         )
-    averaging = name in ("mean", "avg")
-    result = tensor.detach().clone()
-    if averaging and not result.is_floating_point():
-        result = result.to(torch.float64 if result.device.type == "cpu" else torch.float32)
-    if actual > 1:
-        dist.all_reduce(result, op=dist.ReduceOp.SUM if averaging else _OPS[name])
-    if averaging:
-        result /= actual
-    return result
+    caller = sys._getframe(1)
+    key = f"reduce_tensor at {caller.f_code.co_filename}:{caller.f_lineno}"
+    context = current()
+    sites = context._sites if context is not None else {}
+    result: torch.Tensor = all_reduce_tree(tensor, name, site=sites.setdefault(key, Site(key)))
+    return result.clone() if result.data_ptr() == tensor.data_ptr() else result
 
 
 def get_model_size(model: nn.Module) -> str:

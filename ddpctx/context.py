@@ -59,6 +59,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpctx.collectives import (
+    OpSpec,
+    Site,
+    all_gather_objects,
+    all_reduce_tree,
+    broadcast_object,
+    check_op,
+)
 from ddpctx.env import (
     Launcher,
     LaunchInfo,
@@ -67,6 +75,7 @@ from ddpctx.env import (
     resolve_device_index,
     resolve_timeout,
 )
+from ddpctx.rankzero import Place, zero_first
 from ddpctx.seeding import enable_deterministic, seed_everything, validate_seed
 
 #: How long exit waits for ``destroy_process_group`` before giving up on it.
@@ -119,6 +128,7 @@ class DistContext:
         self.base_seed: int | None = seed
         self.seed: int | None = None if seed is None else seed + info.rank
         self._close = close
+        self._sites: dict[str, Site] = {}
 
     @property
     def is_main(self) -> bool:
@@ -147,6 +157,52 @@ class DistContext:
             dist.barrier(device_ids=[self.device.index or 0])
         else:
             dist.barrier()
+
+    def all_reduce(self, obj: Any, op: OpSpec = "mean", weight: str | None = None) -> Any:
+        """Reduce a number, tensor, array or nested dict/list of them across ranks.
+
+        The functional form of :func:`ddpctx.all_reduced` (same options, same
+        single collective). Each calling line keeps its own agreed buffer size.
+
+        >>> with distributed() as ctx:
+        ...     ctx.all_reduce({"loss": 0.5, "count": 10}, weight="count")
+        {'loss': 0.5, 'count': 10}
+        """
+        check_op(op)
+        caller = sys._getframe(1)
+        key = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        site = self._sites.setdefault(key, Site(f"all_reduce at {key}"))
+        return all_reduce_tree(obj, op, weight, site=site)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (any picklable object; tensors keep their device).
+
+        >>> with distributed() as ctx:
+        ...     ctx.broadcast({"run": "a"})
+        {'run': 'a'}
+        """
+        return broadcast_object(obj, src)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (any picklable object, sizes may differ).
+
+        >>> with distributed() as ctx:
+        ...     ctx.all_gather(ctx.rank)
+        [0]
+        """
+        return all_gather_objects(obj)
+
+    def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Rank 0 (local rank 0 with ``local=True``) runs the block first, then the others.
+
+        An exception on rank 0 is raised on every rank instead of deadlocking them.
+
+        >>> with distributed() as ctx, ctx.rank_zero_first():
+        ...     print("downloading once")
+        downloading once
+        """
+        place = Place(self.rank, self.world_size, self.local_rank, self.node_rank)
+        return zero_first(place, local)
 
     def wrap(self, model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
         """Move ``model`` to :attr:`device` and wrap it in DistributedDataParallel.

@@ -1,0 +1,229 @@
+"""``@rank_zero_only``, ``@all_reduced`` and ``rank_zero_first``.
+
+Both decorators work bare or with options, keep the wrapped function's name,
+docstring, ``__wrapped__`` and (through ``ParamSpec``) its signature for type
+checkers, and work in three situations: inside ``distributed()``, under a
+process group someone else initialised, and with no process group at all
+(then the rank comes from ``RANK``, else 0, and the world size is 1).
+
+The guarantees that make them safe to use around collectives:
+
+- ``@rank_zero_only(barrier=True)`` / ``(broadcast=True)`` and
+  ``rank_zero_first``: if rank 0 raises, every rank raises (rank 0 its own
+  exception, the others :class:`~ddpctx.RankZeroError` with rank 0's
+  traceback) instead of waiting at a barrier until the timeout.
+- ``@all_reduced``: one collective for all mean/sum leaves; different
+  structures on different ranks, or an exception on one rank, become an
+  error on every rank, never wrong numbers and never a hang.
+
+Example:
+    >>> @rank_zero_only
+    ... def log(message: str) -> None:
+    ...     print(message)
+    >>> log("only rank 0 prints this")
+    only rank 0 prints this
+    >>> @all_reduced(weight="count")
+    ... def evaluate() -> dict[str, float]:
+    ...     return {"loss": 0.25, "count": 8}
+    >>> evaluate()
+    {'loss': 0.25, 'count': 8}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, ParamSpec, TypeVar, overload
+
+import torch.distributed as dist
+
+from ddpctx.collectives import OpSpec, Site, all_reduce_tree, check_op, report_failure
+from ddpctx.context import current
+from ddpctx.env import detect_launch
+from ddpctx.rankzero import Outcome, Place, share, zero_first
+
+P = ParamSpec("P")
+R = TypeVar("R")
+D = TypeVar("D")
+
+
+def whoami() -> Place:
+    """This process's rank, world size, local rank and node, from wherever they are known."""
+    context = current()
+    if context is not None:
+        return Place(context.rank, context.world_size, context.local_rank, context.node_rank)
+    info = detect_launch(os.environ)  # a malformed RANK is a loud error, not rank 0
+    if not dist.is_initialized():
+        return Place(info.rank, 1, info.local_rank, info.node_rank)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if (info.rank, info.world_size) == (rank, world_size):
+        return Place(rank, world_size, info.local_rank, info.node_rank)
+    return Place(rank, world_size, rank, 0)  # a group without launcher variables: one node
+
+
+@overload
+def rank_zero_only(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
+
+
+@overload
+def rank_zero_only(
+    *,
+    default: None = None,
+    barrier: bool = False,
+    broadcast: Literal[False] = False,
+    local: bool = False,
+) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+
+@overload
+def rank_zero_only(
+    *,
+    default: D,
+    barrier: bool = False,
+    broadcast: Literal[False] = False,
+    local: bool = False,
+) -> Callable[[Callable[P, R]], Callable[P, R | D]]: ...
+
+
+@overload
+def rank_zero_only(
+    *,
+    default: Any = None,
+    barrier: bool = False,
+    broadcast: Literal[True],
+    local: bool = False,
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+def rank_zero_only(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    default: Any = None,
+    barrier: bool = False,
+    broadcast: bool = False,
+    local: bool = False,
+) -> Any:
+    """Run the function on rank 0 only; the other ranks get ``default``.
+
+    Args:
+        default: what the other ranks return.
+        barrier: every rank waits until rank 0 is done (e.g. a checkpoint write).
+        broadcast: every rank returns rank 0's result (implies the wait).
+        local: "rank 0" means local rank 0 of each node (per-node caches).
+
+    With ``barrier`` or ``broadcast``, an exception on rank 0 is raised on
+    every rank: rank 0 re-raises its own, the others raise
+    :class:`~ddpctx.RankZeroError` carrying rank 0's traceback.
+
+    Example:
+        >>> @rank_zero_only(broadcast=True)
+        ... def pick_run_name() -> str:
+        ...     return "run-42"
+        >>> pick_run_name()
+        'run-42'
+    """
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            place = whoami()
+            mine = place.is_zero(local)
+            if not (barrier or broadcast):
+                return func(*args, **kwargs) if mine else default
+            if not mine:
+                outcome, source = share(None, place, local)
+                value = outcome.result(source)
+                return value if broadcast else default
+            try:
+                value = func(*args, **kwargs)
+            except Exception as error:
+                share(Outcome.failure(error), place, local)
+                raise
+            share(Outcome(True, value if broadcast else None), place, local)
+            return value
+
+        return wrapper
+
+    return decorate(fn) if fn is not None else decorate
+
+
+@overload
+def all_reduced(fn: Callable[P, R], /) -> Callable[P, R]: ...
+
+
+@overload
+def all_reduced(
+    *, op: OpSpec = "mean", weight: str | None = None
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+def all_reduced(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    op: OpSpec = "mean",
+    weight: str | None = None,
+) -> Any:
+    """Reduce the function's result across ranks; every rank gets the reduced value.
+
+    The result may be a number, a tensor, a NumPy scalar or array, or a nested
+    dict / list / tuple / namedtuple of them; it comes back in the same
+    structure with the same leaf kinds (an int under "mean" becomes a float,
+    a tensor stays a tensor on its device).
+
+    Args:
+        op: "mean" (default), "sum", "max", "min", "prod", or a dict mapping
+            result keys to ops (unnamed leaves use "mean").
+        weight: the name of a count leaf (e.g. ``"count"``): counts are
+            summed and each "mean" leaf becomes the count-weighted mean over
+            ranks; a total count of 0 gives NaN, never 0.
+
+    All mean/sum leaves travel in one collective; "max", "min" and "prod" add
+    one each when used.
+
+    Example:
+        >>> @all_reduced(op={"loss": "mean", "peak_mb": "max"})
+        ... def step_stats() -> dict[str, float]:
+        ...     return {"loss": 1.5, "peak_mb": 812.0}
+        >>> step_stats()
+        {'loss': 1.5, 'peak_mb': 812.0}
+    """
+    check_op(op)
+    if weight is not None and not isinstance(weight, str):
+        raise ValueError(f"weight={weight!r} must be the name of a leaf, e.g. weight='count'.")
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        site = Site(f"all_reduced({func.__module__}.{func.__qualname__})")
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = func(*args, **kwargs)
+            except Exception as error:
+                report_failure(error, site)  # the other ranks raise instead of waiting
+                raise
+            return all_reduce_tree(result, op, weight, site=site)
+
+        return wrapper
+
+    return decorate(fn) if fn is not None else decorate
+
+
+@contextlib.contextmanager
+def rank_zero_first(local: bool = False) -> Iterator[None]:
+    """Rank 0 (each node's local rank 0 with ``local=True``) runs the block first, then the rest.
+
+    For downloads and caches: the first rank fills the cache, the others then
+    read it. If rank 0 raises in the block, every other rank raises
+    :class:`~ddpctx.RankZeroError` instead of waiting.
+
+    Example:
+        >>> with rank_zero_first():
+        ...     print("preparing the dataset")
+        preparing the dataset
+    """
+    with zero_first(whoami(), local):
+        yield

@@ -1,0 +1,134 @@
+"""Running something on rank 0 without ever leaving the other ranks hanging.
+
+The rule: whenever other ranks wait for rank 0 (a barrier after a
+checkpoint write, a broadcast of its result, ``rank_zero_first``), rank 0
+sends them an :class:`Outcome` -- its result, or its exception as text --
+instead of a bare barrier. A failure on rank 0 therefore reaches every rank
+as an exception within one message, rather than as a 10-minute timeout.
+
+With ``local=True`` "rank 0" means local rank 0 of each node; the outcome of
+each node's local main is then shared with one ``all_gather_object``, with no
+per-node subgroups to create.
+
+This module sits below :mod:`ddpctx.context`: callers say who they are with a
+:class:`Place`.
+
+Example:
+    >>> outcome = Outcome.failure(ValueError("disk full"))
+    >>> try:
+    ...     outcome.result(source=0)
+    ... except RankZeroError as error:
+    ...     print(error.rank, error.error_type, error.message)
+    0 ValueError disk full
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpctx.collectives import all_gather_objects, broadcast_object
+
+
+class RankZeroError(RuntimeError):
+    """Raised on the other ranks when rank 0 (or a node's local rank 0) failed.
+
+    Attributes:
+        rank: the rank that failed.
+        error_type: the name of its exception class, e.g. ``"OSError"``.
+        message: ``str()`` of its exception.
+        remote_traceback: its formatted traceback.
+    """
+
+    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str) -> None:
+        self.rank = rank
+        self.error_type = error_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(
+            f"rank {rank} raised {error_type}: {message}\n\n"
+            f"Traceback on rank {rank}:\n{remote_traceback}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.error_type, self.message, self.remote_traceback))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What rank 0's work came to: a value, or an exception described as text."""
+
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    remote_traceback: str = ""
+
+    @classmethod
+    def failure(cls, error: BaseException) -> Outcome:
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return cls(False, None, type(error).__name__, str(error), text)
+
+    def result(self, source: int) -> Any:
+        """The value, or a :class:`RankZeroError` describing the failure on ``source``."""
+        if not self.ok:
+            raise RankZeroError(source, self.error_type, self.message, self.remote_traceback)
+        return self.value
+
+
+@dataclass(frozen=True)
+class Place:
+    """Who this process is, as far as rank-zero logic needs to know."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+
+    def is_zero(self, local: bool) -> bool:
+        return (self.local_rank if local else self.rank) == 0
+
+
+def share(outcome: Outcome | None, place: Place, local: bool) -> tuple[Outcome, int]:
+    """Deliver the outcome of (local) rank 0 to every rank; returns it and its source rank.
+
+    Every rank of the job must call this; those that are (local) rank 0 pass
+    their outcome, the others None. It doubles as the barrier.
+    """
+    if place.world_size == 1 or not dist.is_initialized():
+        assert outcome is not None
+        return outcome, place.rank
+    if not local:
+        return broadcast_object(outcome, src=0), 0
+    entries = all_gather_objects((place.node_rank, outcome))
+    for rank, (node, theirs) in enumerate(entries):
+        if node == place.node_rank and theirs is not None:
+            return theirs, rank
+    raise RuntimeError(
+        f"no rank on node {place.node_rank} has local rank 0, so nobody ran the function "
+        "there. Check LOCAL_RANK / GROUP_RANK as set by the launcher."
+    )
+
+
+@contextlib.contextmanager
+def zero_first(place: Place, local: bool) -> Iterator[None]:
+    """The block runs on (local) rank 0 first, then on the others; a failure reaches all."""
+    if place.world_size == 1 or not dist.is_initialized():
+        yield
+        return
+    if not place.is_zero(local):
+        outcome, source = share(None, place, local)
+        outcome.result(source)  # raises RankZeroError if rank 0's block failed
+        yield
+        return
+    try:
+        yield
+    except Exception as error:
+        share(Outcome.failure(error), place, local)
+        raise
+    share(Outcome(True), place, local)
