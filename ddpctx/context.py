@@ -57,6 +57,8 @@ import contextlib2
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpctx.collectives import (
@@ -465,18 +467,34 @@ def _init_group(plan: _Plan) -> None:
         with loopback_gloo():
             store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not re-declared
             dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
-    elif info.launcher == "torchrun":
-        # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
-        dist.init_process_group(
-            init_method="env://", rank=info.rank, world_size=info.world_size, **kwargs
-        )
-    else:
-        dist.init_process_group(
-            init_method=f"tcp://{info.master_addr}:{info.master_port}",
-            rank=info.rank,
-            world_size=info.world_size,
-            **kwargs,
-        )
+        return
+    # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
+    url = (
+        "env://" if info.launcher == "torchrun" else f"tcp://{info.master_addr}:{info.master_port}"
+    )
+    store, _, _ = next(
+        rendezvous(url, rank=info.rank, world_size=info.world_size, timeout=plan.timeout)
+    )
+    store.set_timeout(plan.timeout)
+    dist.init_process_group(
+        store=formation_store(store, info.rank),
+        rank=info.rank,
+        world_size=info.world_size,
+        **kwargs,
+    )
+
+
+def formation_store(store: Any, rank: int) -> Any:
+    """A view of ``store`` private to this formation of the process group.
+
+    torch names every default group's keys alike, so a group formed again on
+    the same store (a second ``distributed()`` in one torchrun job, a group
+    formed after someone else's) can read the previous group's stale addresses
+    and fail to connect. Each rank counts its formations in the store itself;
+    the count, the same on every rank, prefixes the new group's keys.
+    """
+    generation = store.add(f"ddpctx/formations/rank{rank}", 1)
+    return PrefixStore(f"ddpctx/{generation}/", store)
 
 
 def _destroy_group_bounded() -> None:

@@ -64,7 +64,9 @@ def test_reduce_tensor_in_a_world_of_one_for_every_op() -> None:
 
 
 def test_reduce_tensor_checks_its_arguments() -> None:
-    with pytest.raises(ValueError, match=r"op='average': 'average' is not a reduction. Use one of 'mean'"):
+    with pytest.raises(
+        ValueError, match=r"op='average': 'average' is not a reduction. Use one of 'mean'"
+    ):
         reduce_tensor(torch.ones(1), op="average")
     with pytest.raises(ValueError, match=r"world_size=4 but the process group has 1 rank"):
         reduce_tensor(torch.ones(1), world_size=4)

@@ -84,3 +84,10 @@ def test_the_timeout_bounds_a_collective_that_a_rank_never_joins() -> None:
     root_cause = result.stderr[result.stderr.index("Root Cause") :]
     assert "rank      : 0" in root_cause
     assert "Timed out" in root_cause
+
+
+def test_distributed_can_be_entered_again_in_the_same_job() -> None:
+    result = run_torchrun(SCRIPTS / "reenter.py", nproc=2, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for attempt in range(4):
+        assert f"formation {attempt}: sum {1.0 + 2 * attempt}" in result.stdout
