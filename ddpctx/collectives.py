@@ -46,15 +46,15 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpctx.tree import NUMPY, PYTHON, TENSOR, Leaf, describe, flatten
+from ddpctx.tree import NUMPY, PYTHON, TENSOR, Leaf, describe, flatten, signature
 
 OPS = ("mean", "sum", "max", "min", "prod")
 _TORCH_OPS = {
@@ -68,6 +68,8 @@ _FINGERPRINT_RANGE = 2**20 - 1  # keeps h*h summed over ranks exact in float64
 
 #: Payload elements a call site starts with; 32 metrics fit without a resize.
 DEFAULT_CAPACITY = 64
+#: Structures a call site remembers before it starts over.
+_PLANS_PER_SITE = 16
 
 OpSpec = str | Mapping[str, str]
 
@@ -78,10 +80,12 @@ class ReductionError(RuntimeError):
 
 @dataclass
 class Site:
-    """The agreed buffer capacity of one call site (one decorated function, one line)."""
+    """One call site (a decorated function, a calling line): its agreed buffer capacity,
+    and the plans it made for the structures it has seen (a cache, local to this rank)."""
 
     name: str
     capacity: int = DEFAULT_CAPACITY
+    plans: dict[Any, _Plan] = field(default_factory=dict)
 
 
 def check_op(op: object) -> None:
@@ -109,6 +113,11 @@ def _leaf_ops(leaves: Sequence[Leaf], op: OpSpec, weight: str | None) -> list[st
                 unused.discard(key)
                 break
         if weight is not None and leaf.keys and leaf.keys[-1] == weight:
+            if leaf.key != weight:
+                raise ValueError(
+                    f"{leaf.path}: the weight {weight!r} must be one number directly under "
+                    f"its key, e.g. {{{weight!r}: 128}}, not inside a list or tuple."
+                )
             if chosen not in ("sum", "mean"):
                 raise ValueError(
                     f"{leaf.path} is the weight leaf (weight={weight!r}); it is always summed, "
@@ -129,7 +138,7 @@ def _weights(leaves: Sequence[Leaf], ops: Sequence[str], weight: str) -> list[in
     """For each "mean" leaf, the index of the weight leaf in its nearest enclosing dict."""
     by_parent: dict[int, int] = {}
     for index, leaf in enumerate(leaves):
-        if leaf.keys and leaf.keys[-1] == weight and leaf.parents:
+        if leaf.key == weight and leaf.parents:
             if math.prod(leaf.shape) != 1:
                 raise ValueError(
                     f"{leaf.path} (the weight) has shape {list(leaf.shape)}; a weight must be a "
@@ -157,36 +166,200 @@ def _fingerprints(lines: Sequence[str], site: str, weight: str | None) -> tuple[
     return first, second
 
 
-def _as_float64(leaves: Sequence[Leaf], device: torch.device) -> torch.Tensor:
-    """The leaves' values, flattened into one float64 vector on ``device``."""
-    tensors = [leaf.value for leaf in leaves if leaf.kind == TENSOR]
-    if len(tensors) == len(leaves) and tensors:
-        first = tensors[0]
-        if all(t.dtype == first.dtype and t.device == first.device for t in tensors):
-            if all(t.dim() == 0 for t in tensors):
-                return torch.stack(tensors).detach().to(device, torch.float64)
-            flat = [t.detach().reshape(-1) for t in tensors]
-            return torch.cat(flat).to(device, torch.float64)
-    parts: list[torch.Tensor] = []
-    scalars: list[float] = []
-    for leaf in leaves:
-        if leaf.kind == PYTHON or (leaf.kind == NUMPY and not leaf.shape):
-            scalars.append(float(leaf.value))
-            continue
+def _target_dtype(leaf: Leaf, op: str) -> Any:
+    """The dtype a leaf comes back with: its own, a float where "mean" needs one."""
+    if leaf.kind == NUMPY:
+        kind = leaf.native.kind
+        if op == "mean" and kind in "biu":
+            return np.dtype(np.float64)
+        if op == "sum" and kind == "b":
+            return np.dtype(np.int64)
+        return leaf.native
+    if leaf.kind == TENSOR:
+        if op == "mean" and not leaf.native.is_floating_point:
+            return torch.get_default_dtype()
+        if op == "sum" and leaf.native == torch.bool:
+            return torch.int64
+        return leaf.native
+    if op == "mean" or leaf.native is float:
+        return float
+    if leaf.native is bool and op in ("max", "min", "prod"):
+        return bool
+    return int
+
+
+@dataclass
+class _Group:
+    """Leaves that travel in one buffer, and how to pack and unpack them quickly."""
+
+    indices: list[int]
+    leaves: list[Leaf]
+    targets: list[Any]
+    numels: list[int]
+    same_tensors: bool  # all tensors of one dtype on one device: one stack/cat
+    scalar_tensors: bool  # ...and all 0-d: one stack, one unbind
+    one_target: tuple[Any, torch.device | None] | None  # one result dtype/device for all
+    everything: bool  # the group holds every leaf, in order
+
+    @classmethod
+    def of(cls, indices: list[int], leaves: Sequence[Leaf], ops: Sequence[str]) -> _Group:
+        chosen = [leaves[i] for i in indices]
+        targets = [_target_dtype(leaves[i], ops[i]) for i in indices]
+        kinds = {(leaf.kind, leaf.native, leaf.device) for leaf in chosen}
+        same = len(kinds) == 1 and next(iter(kinds))[0] == TENSOR
+        scalar = same and all(not leaf.shape for leaf in chosen)
+        ends = {(target, leaf.device) for target, leaf in zip(targets, chosen, strict=True)}
+        return cls(
+            indices,
+            chosen,
+            targets,
+            [math.prod(leaf.shape) for leaf in chosen],
+            same,
+            scalar,
+            next(iter(ends)) if scalar and len(ends) == 1 else None,
+            indices == list(range(len(leaves))),
+        )
+
+    def pack(self, values: list[Any], device: torch.device) -> torch.Tensor:
+        """This group's values as one float64 vector on ``device``."""
+        mine = values if self.everything else [values[i] for i in self.indices]
+        if self.scalar_tensors:
+            return torch.stack(mine).detach().to(device, torch.float64)
+        if self.same_tensors:
+            return torch.cat([v.detach().reshape(-1) for v in mine]).to(device, torch.float64)
+        parts: list[torch.Tensor] = []
+        scalars: list[float] = []
+        for leaf, value in zip(self.leaves, mine, strict=True):
+            if leaf.kind != TENSOR and not leaf.shape:
+                scalars.append(float(value))
+                continue
+            if scalars:
+                parts.append(torch.tensor(scalars, dtype=torch.float64, device=device))
+                scalars = []
+            tensor = value if leaf.kind == TENSOR else torch.from_numpy(np.asarray(value))
+            parts.append(tensor.detach().reshape(-1).to(device, torch.float64))
         if scalars:
             parts.append(torch.tensor(scalars, dtype=torch.float64, device=device))
-            scalars = []
-        value = leaf.value if leaf.kind == TENSOR else torch.from_numpy(np.asarray(leaf.value))
-        parts.append(value.detach().reshape(-1).to(device, torch.float64))
-    if scalars:
-        parts.append(torch.tensor(scalars, dtype=torch.float64, device=device))
-    if not parts:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def unpack(self, reduced: torch.Tensor, results: list[Any]) -> None:
+        """Cut ``reduced`` (float64, in leaf order) back into leaves of their own kinds."""
+        if self.one_target is not None:  # scalar tensors, one result dtype: one unbind
+            dtype, device = self.one_target
+            rounded = reduced if dtype.is_floating_point else reduced.round()
+            unbound = rounded.to(device, dtype, copy=True).unbind(0)
+            if self.everything:
+                results[:] = unbound
+            else:
+                for index, value in zip(self.indices, unbound, strict=True):
+                    results[index] = value
+            return
+        host = reduced.cpu()
+        as_list = host.tolist() if host.numel() <= 4096 else None
+        offset = 0
+        for index, leaf, target, count in zip(
+            self.indices, self.leaves, self.targets, self.numels, strict=True
+        ):
+            if leaf.kind == TENSOR:
+                shaped = reduced[offset : offset + count].reshape(leaf.shape)
+                if not target.is_floating_point:
+                    shaped = shaped.round()
+                results[index] = shaped.to(leaf.device, target, copy=True)
+            elif leaf.shape:  # a NumPy array
+                array = host[offset : offset + count].numpy().reshape(leaf.shape)
+                results[index] = _cast_array(array, target)
+            else:
+                number = as_list[offset] if as_list is not None else host[offset].item()
+                if leaf.kind == PYTHON:
+                    results[index] = _python_number(number, target)
+                else:
+                    results[index] = target.type(_python_number(number, _py_type(target)))
+            offset += count
 
 
-def _numels(leaves: Sequence[Leaf]) -> list[int]:
-    return [math.prod(leaf.shape) for leaf in leaves]
+@dataclass
+class _Plan:
+    """Everything about reducing one structure that does not depend on its values."""
+
+    leaves: list[Leaf]
+    rebuild: Callable[[Sequence[Any]], Any]
+    ops: list[str]
+    weights: list[int | None]
+    summed: _Group  # mean and sum leaves (and weights): the one buffer with the header
+    others: dict[str, _Group]  # "max" / "min" / "prod": one buffer each, only when used
+    lines: list[str]
+    fingerprints: tuple[int, int]
+    weighted: bool
+    uniform: str | None  # "mean" or "sum" when every summed leaf is that, unweighted
+    constants: dict[Any, torch.Tensor] = field(default_factory=dict)  # headers, padding
+
+    def constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A tensor that only depends on ``key`` (made once; never mutated)."""
+        tensor = self.constants.get(key)
+        if tensor is None:
+            tensor = self.constants[key] = make()
+        return tensor
+
+    @classmethod
+    def make(cls, obj: Any, op: OpSpec, weight: str | None, site: str) -> tuple[_Plan, list[Any]]:
+        leaves, values, rebuild = flatten(obj)
+        ops = _leaf_ops(leaves, op, weight)
+        weights: list[int | None] = [None] * len(leaves)
+        if weight is not None:
+            weights = _weights(leaves, ops, weight)
+        lines = describe(leaves, ops)
+        others = {
+            name: _Group.of([i for i, o in enumerate(ops) if o == name], leaves, ops)
+            for name in _TORCH_OPS
+            if name in ops
+        }
+        plan = cls(
+            leaves,
+            rebuild,
+            ops,
+            weights,
+            _Group.of([i for i, o in enumerate(ops) if o in ("mean", "sum")], leaves, ops),
+            others,
+            lines,
+            _fingerprints(lines, site, weight),
+            any(w is not None for w in weights),
+            _uniform([ops[i] for i, w in enumerate(weights) if ops[i] in ("mean", "sum")], weights),
+        )
+        return plan, values
+
+    def divisors(self, reduced: torch.Tensor, world: int) -> torch.Tensor | float:
+        """What each reduced sum is divided by: 1 (sum), the world size or the total weight."""
+        group = self.summed
+        ops = [self.ops[i] for i in group.indices]
+        if self.uniform == "mean":
+            return float(world)
+        if self.uniform == "sum":
+            return 1.0
+        starts = dict(zip(group.indices, np.cumsum([0, *group.numels[:-1]]).tolist(), strict=True))
+        weight_starts = [starts[w] for i in group.indices if (w := self.weights[i]) is not None]
+        totals = iter(reduced[weight_starts].tolist() if weight_starts else [])
+        per_leaf = [
+            1.0 if op == "sum" else float(world) if self.weights[i] is None else next(totals)
+            for i, op in zip(group.indices, ops, strict=True)
+        ]
+        factors = torch.tensor(per_leaf, dtype=torch.float64, device=reduced.device)
+        return torch.repeat_interleave(factors, torch.tensor(group.numels, device=reduced.device))
+
+
+def _uniform(summed_ops: list[str], weights: list[int | None]) -> str | None:
+    """ "mean" or "sum" when one unweighted divisor fits every summed leaf (or there are none)."""
+    if not summed_ops:
+        return "sum"
+    if any(w is not None for w in weights) or len(set(summed_ops)) != 1:
+        return None
+    return summed_ops[0]
+
+
+def _plan_key(structure: Any, op: OpSpec, weight: str | None) -> Any:
+    ops = tuple(sorted(op.items())) if isinstance(op, Mapping) else op
+    return (structure, ops, weight)
 
 
 def group_size(group: Any = None) -> int:
@@ -210,67 +383,80 @@ def all_reduce_tree(
     group: Any = None,
 ) -> Any:
     """Reduce every numeric leaf of ``obj`` across ranks; same structure and leaf kinds back."""
-    check_op(op)
     world = group_size(group)
     device = comm_device(group)
-    try:
-        leaves, rebuild = flatten(obj)
-        ops = _leaf_ops(leaves, op, weight)
-        weights = _weights(leaves, ops, weight) if weight is not None else [None] * len(leaves)
-    except (TypeError, ValueError) as error:
-        report_failure(error, site, group)
-        raise
-    summed = [i for i, o in enumerate(ops) if o in ("mean", "sum")]
-    payload = _as_float64([leaves[i] for i in summed], device)
-    numels = _numels([leaves[i] for i in summed])
-    weighted = [weights[i] for i in summed]
-    if any(w is not None for w in weighted):
-        per_leaf = [1.0 if w is None else float(leaves[w].value) for w in weighted]
-        factors = torch.tensor(per_leaf, dtype=torch.float64, device=device)
-        payload = payload * torch.repeat_interleave(factors, torch.tensor(numels, device=device))
-    lines = describe(leaves, ops)
-    if world > 1:
-        payload = _reduce_with_header(payload, lines, site, weight, device, group)
-    results: list[Any] = [None] * len(leaves)
-    _unpack_summed(leaves, ops, weights, summed, numels, payload, world, results)
-    for name, reduce_op in _TORCH_OPS.items():
-        chosen = [i for i, o in enumerate(ops) if o == name]
-        if chosen:
-            values = _as_float64([leaves[i] for i in chosen], device)
-            if world > 1:
-                dist.all_reduce(values, op=reduce_op, group=group)
-            _restore_all([leaves[i] for i in chosen], [name] * len(chosen), values, results, chosen)
-    return rebuild(results)
+    values: list[Any] = []
+    structure = signature(obj, values)
+    key = _plan_key(structure, op, weight) if structure is not None else None
+    plan = site.plans.get(key) if key is not None else None
+    if plan is None:
+        try:
+            check_op(op)
+            plan, values = _Plan.make(obj, op, weight, site.name)
+        except (TypeError, ValueError) as error:
+            report_failure(error, site, group)
+            raise
+        if key is not None:
+            if len(site.plans) >= _PLANS_PER_SITE:
+                site.plans.clear()
+            site.plans[key] = plan
+    payload = plan.summed.pack(values, device)
+    if plan.weighted:
+        factors = [
+            1.0 if w is None else float(values[w])
+            for w in map(plan.weights.__getitem__, plan.summed.indices)
+        ]
+        counts = torch.tensor(plan.summed.numels, device=device)
+        payload = payload * torch.repeat_interleave(
+            torch.tensor(factors, dtype=torch.float64, device=device), counts
+        )
+    results: list[Any] = [None] * len(plan.leaves)
+    if world > 1:  # the reduced slice is ours alone: divide it in place
+        payload = _reduce_with_header(payload, plan, site, device, group)
+        payload.div_(plan.divisors(payload, world))  # a total weight of 0: 0/0 = NaN
+    else:  # the payload may share memory with the caller's tensor
+        payload = payload / plan.divisors(payload, world)
+    if plan.summed.indices:
+        plan.summed.unpack(payload, results)
+    for name, others in plan.others.items():
+        packed = others.pack(values, device)
+        if world > 1:
+            dist.all_reduce(packed, op=_TORCH_OPS[name], group=group)
+        others.unpack(packed, results)
+    return plan.rebuild(results)
 
 
 def _reduce_with_header(
-    payload: torch.Tensor,
-    lines: list[str],
-    site: Site,
-    weight: str | None,
-    device: torch.device,
-    group: Any,
+    payload: torch.Tensor, plan: _Plan, site: Site, device: torch.device, group: Any
 ) -> torch.Tensor:
-    first, second = _fingerprints(lines, site.name, weight)
+    first, second = plan.fingerprints
     length = payload.numel()
     while True:
         fits = length <= site.capacity
-        header = [1.0, first, first * first, second, second * second, 0.0, 0.0 if fits else 1.0]
-        buffer = torch.zeros(_HEADER + site.capacity, dtype=torch.float64, device=device)
-        buffer[: _HEADER - 1] = torch.tensor(header, dtype=torch.float64)
-        buffer[_LENGTH] = length
+        header = [1.0, first, first * first, second, second * second, 0.0, float(not fits), length]
+        parts = [plan.constant(("header", device, fits, length), _float64(header, device))]
         if fits:
-            buffer[_HEADER : _HEADER + length] = payload
+            parts.append(payload)
+        padding = site.capacity - (length if fits else 0)
+        if padding:
+            parts.append(
+                plan.constant(("padding", device, padding), _float64([0.0] * padding, device))
+            )
+        buffer = torch.cat(parts)
         dist.all_reduce(buffer, group=group)
         totals = [int(x) for x in buffer[:_HEADER].tolist()]
         ranks = totals[_ONES]
         if totals[_FAILED]:
             _raise_for_failed_rank(None, group)
         if totals[_H1] ** 2 != ranks * totals[_H1SQ] or totals[_H2] ** 2 != ranks * totals[_H2SQ]:
-            _raise_for_mismatch(lines, site, group)
+            _raise_for_mismatch(plan.lines, site, group)
         if not totals[_OVERFLOW]:
             return buffer[_HEADER : _HEADER + length]
         site.capacity = max(site.capacity, totals[_LENGTH] // ranks)  # same on every rank
+
+
+def _float64(numbers: list[float], device: torch.device) -> Callable[[], torch.Tensor]:
+    return lambda: torch.tensor(numbers, dtype=torch.float64, device=device)
 
 
 def report_failure(error: Exception, site: Site, group: Any = None) -> None:
@@ -334,96 +520,6 @@ def _difference(reference: list[str], theirs: list[str]) -> str:
         if path in other and other[path] != ours[path]
     ]
     return "; ".join(parts) or "orders its leaves differently"
-
-
-def _unpack_summed(
-    leaves: Sequence[Leaf],
-    ops: Sequence[str],
-    weights: Sequence[int | None],
-    summed: Sequence[int],
-    numels: Sequence[int],
-    reduced: torch.Tensor,
-    world: int,
-    results: list[Any],
-) -> None:
-    """Turn the reduced sums into sums, means and weighted means, in place in ``results``."""
-    if not summed:
-        return
-    starts = dict(zip(summed, np.cumsum([0, *numels[:-1]]).tolist(), strict=True))
-    weight_starts = [starts[w] for i in summed if (w := weights[i]) is not None]
-    totals = iter(reduced[weight_starts].tolist() if weight_starts else [])
-    divisors = [
-        1.0 if ops[i] == "sum" else float(world) if weights[i] is None else next(totals)
-        for i in summed
-    ]
-    if any(divisor != 1.0 for divisor in divisors):
-        factors = torch.tensor(divisors, dtype=torch.float64, device=reduced.device)
-        counts = torch.tensor(numels, device=reduced.device)
-        reduced = reduced / torch.repeat_interleave(factors, counts)  # 0/0 -> NaN, never 0
-    _restore_all([leaves[i] for i in summed], [ops[i] for i in summed], reduced, results, summed)
-
-
-def _target_dtype(leaf: Leaf, op: str) -> Any:
-    """The dtype a leaf comes back with: its own, a float where "mean" needs one."""
-    if leaf.kind == NUMPY:
-        kind = np.dtype(leaf.dtype).kind
-        if op == "mean" and kind in "biu":
-            return np.dtype(np.float64)
-        if op == "sum" and kind == "b":
-            return np.dtype(np.int64)
-        return np.dtype(leaf.dtype)
-    if leaf.kind == TENSOR:
-        dtype = leaf.value.dtype
-        if op == "mean" and not dtype.is_floating_point:
-            return torch.get_default_dtype()
-        if op == "sum" and dtype == torch.bool:
-            return torch.int64
-        return dtype
-    if op == "mean" or leaf.dtype == "float":
-        return float
-    if leaf.dtype == "bool" and op in ("max", "min", "prod"):
-        return bool
-    return int
-
-
-def _restore_all(
-    leaves: Sequence[Leaf],
-    ops: Sequence[str],
-    values: torch.Tensor,
-    results: list[Any],
-    positions: Sequence[int],
-) -> None:
-    """Cut ``values`` (float64, in leaf order) back into leaves of their original kinds."""
-    dtypes = [_target_dtype(leaf, op) for leaf, op in zip(leaves, ops, strict=True)]
-    if all(leaf.kind == TENSOR and not leaf.shape for leaf in leaves):
-        targets = {(dtype, leaf.value.device) for dtype, leaf in zip(dtypes, leaves, strict=True)}
-        if len(targets) == 1:  # the common case: scalar tensors of one dtype on one device
-            dtype, device = targets.pop()
-            rounded = values if dtype.is_floating_point else values.round()
-            for position, value in zip(positions, rounded.to(device, dtype).unbind(0), strict=True):
-                results[position] = value
-            return
-    host = values.cpu()
-    small = host.numel() <= 4096
-    as_list = host.tolist() if small else None
-    offset = 0
-    for position, leaf, dtype in zip(positions, leaves, dtypes, strict=True):
-        count = math.prod(leaf.shape)
-        if leaf.kind == TENSOR:
-            shaped = values[offset : offset + count].reshape(leaf.shape)
-            if not dtype.is_floating_point:
-                shaped = shaped.round()
-            results[position] = shaped.to(leaf.value.device, dtype)
-        elif leaf.shape:  # a NumPy array
-            array = host[offset : offset + count].numpy().reshape(leaf.shape)
-            results[position] = _cast_array(array, dtype)
-        else:
-            number = as_list[offset] if as_list is not None else host[offset].item()
-            if leaf.kind == PYTHON:
-                results[position] = _python_number(number, dtype)
-            else:
-                results[position] = dtype.type(_python_number(number, _py_type(dtype)))
-        offset += count
 
 
 def _py_type(dtype: np.dtype[Any]) -> type:

@@ -1,19 +1,25 @@
 """Nested metric results as flat lists of leaves, and back.
 
 A metric result is a number, a tensor, a NumPy scalar or array, or a dict /
-list / tuple / namedtuple nesting them. :func:`flatten` walks it once and
-returns the leaves in a fixed order with their key paths, plus a ``rebuild``
-that puts new leaf values back into the same structure. Anything else -- a
-string, None, an object -- is a ``TypeError`` naming its key path.
+list / tuple / namedtuple nesting them. Two walks:
+
+- :func:`signature` is the cheap one, run on every call: it collects the
+  leaf values in order and returns a hashable key describing the structure
+  (containers, keys, leaf types, dtypes, shapes, devices), or None if some
+  leaf is not numeric.
+- :func:`flatten` is the thorough one, run once per new structure: it returns
+  :class:`Leaf` records with key paths for messages, and a ``rebuild`` that
+  puts new leaf values back into the same structure. A non-numeric leaf is a
+  ``TypeError`` naming its key path.
 
 :func:`describe` gives a canonical, process-independent description of the
 structure (paths, kinds, dtypes, shapes, but not devices: ranks hold their
 tensors on different GPUs), used to check that every rank sent the same thing.
 
 Example:
-    >>> leaves, rebuild = flatten({"loss": 0.5, "acc": [1, 2]})
-    >>> [leaf.path for leaf in leaves]
-    ["['loss']", "['acc'][0]", "['acc'][1]"]
+    >>> leaves, values, rebuild = flatten({"loss": 0.5, "acc": [1, 2]})
+    >>> [leaf.path for leaf in leaves], values
+    (["['loss']", "['acc'][0]", "['acc'][1]"], [0.5, 1, 2])
     >>> rebuild([1.0, 3, 4])
     {'loss': 1.0, 'acc': [3, 4]}
 """
@@ -33,67 +39,106 @@ PYTHON, NUMPY, TENSOR = "python", "numpy", "tensor"
 
 @dataclass(frozen=True)
 class Leaf:
-    """One numeric value in a result, and where it sits."""
+    """Where one numeric value sits in a result, and what it is (not its value)."""
 
     path: str  # e.g. "['val']['loss']" -- for messages
     keys: tuple[Hashable, ...]  # dict keys on the way down, innermost last
+    key: Hashable | None  # the key holding this leaf directly; None inside a list/tuple
     parents: tuple[int, ...]  # ids of the enclosing dicts, innermost last
-    value: Any
-    kind: str
-    dtype: str  # "int" / "float" / "bool" for Python numbers, else the dtype
+    kind: str  # PYTHON, NUMPY or TENSOR
+    dtype: str  # "int" / "float" / "bool" for Python numbers, else the dtype's name
     shape: tuple[int, ...]
+    native: Any  # the torch.dtype, np.dtype or Python type itself
+    device: torch.device | None  # tensors only
 
 
-def _leaf_kind(value: Any) -> tuple[str, str, tuple[int, ...]] | None:
+def _numeric_dtype(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
-        if value.is_complex():
-            return None
-        return TENSOR, str(value.dtype), tuple(value.shape)
-    if isinstance(value, bool):
-        return PYTHON, "bool", ()
-    if isinstance(value, int):
-        return PYTHON, "int", ()
-    if isinstance(value, float):
-        return PYTHON, "float", ()
-    if isinstance(value, (np.ndarray, np.generic)):
-        if value.dtype.kind not in "biuf":  # bool, int, unsigned, float
-            return None
-        return NUMPY, str(value.dtype), tuple(np.shape(value))
+        return not value.is_complex()
+    return value.dtype.kind in "biuf"  # NumPy: bool, int, unsigned, float
+
+
+def signature(node: Any, values: list[Any]) -> Hashable | None:
+    """Append the leaves of ``node`` to ``values``; return a key of its structure, or None.
+
+    The key only has to tell structures apart within this process: validation
+    (complex or non-numeric dtypes) happens in :func:`flatten`, once per key.
+    """
+    if type(node) is dict:
+        children = list(node.values())
+        if all(type(child) is torch.Tensor for child in children):  # the usual metrics dict
+            values.extend(children)
+            return (dict, tuple(node), tuple((c.dtype, c.shape, c.device) for c in children))
+        keys = tuple(signature(child, values) for child in children)
+        return None if None in keys else (dict, tuple(node), keys)
+    if isinstance(node, torch.Tensor):
+        values.append(node)
+        return (TENSOR, node.dtype, node.shape, node.device)
+    if isinstance(node, (bool, int, float)):
+        values.append(node)
+        return (PYTHON, type(node).__name__)
+    if isinstance(node, dict):
+        keys = tuple(signature(child, values) for child in node.values())
+        return None if None in keys else (type(node), tuple(node), keys)
+    if isinstance(node, (list, tuple)):
+        keys = tuple(signature(child, values) for child in node)
+        return None if None in keys else (type(node), keys)
+    if isinstance(node, (np.ndarray, np.generic)):
+        values.append(node)
+        return (type(node), node.dtype, np.shape(node))
     return None
 
 
-def flatten(obj: Any) -> tuple[list[Leaf], Callable[[Sequence[Any]], Any]]:
-    """Leaves of ``obj`` in a fixed order, and a function rebuilding ``obj`` from new leaves."""
-    leaves: list[Leaf] = []
+def _describe_leaf(value: Any) -> tuple[str, str, tuple[int, ...], Any, torch.device | None]:
+    if isinstance(value, torch.Tensor) and _numeric_dtype(value):
+        return TENSOR, str(value.dtype), tuple(value.shape), value.dtype, value.device
+    if isinstance(value, (bool, int, float)):
+        return PYTHON, type(value).__name__, (), type(value), None
+    if isinstance(value, (np.ndarray, np.generic)) and _numeric_dtype(value):
+        return NUMPY, str(value.dtype), tuple(np.shape(value)), value.dtype, None
+    raise TypeError
 
-    def walk(node: Any, path: str, keys: tuple[Hashable, ...], parents: tuple[int, ...]) -> Any:
+
+def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], Any]]:
+    """Leaves of ``obj`` in a fixed order, their values, and a function rebuilding ``obj``."""
+    leaves: list[Leaf] = []
+    values: list[Any] = []
+
+    def walk(
+        node: Any, path: str, keys: tuple[Hashable, ...], parents: tuple[int, ...], key: Any
+    ) -> Any:
         """Record the leaves; return a template: an index into leaves, or a container."""
         if isinstance(node, dict):
             inner = (*parents, id(node))
             return (
                 type(node),
-                [(k, walk(v, f"{path}[{k!r}]", (*keys, k), inner)) for k, v in node.items()],
+                [(k, walk(v, f"{path}[{k!r}]", (*keys, k), inner, k)) for k, v in node.items()],
             )
         if isinstance(node, (list, tuple)):
-            children = [walk(v, f"{path}[{i}]", keys, parents) for i, v in enumerate(node)]
+            children = [walk(v, f"{path}[{i}]", keys, parents, None) for i, v in enumerate(node)]
             return (type(node), children)
-        kind = _leaf_kind(node)
-        if kind is None:
+        try:
+            described = _describe_leaf(node)
+        except TypeError:
             where = path or "the result"
             raise TypeError(
                 f"{where} is {type(node).__name__} {_short(node)}, not a number, tensor or "
                 "NumPy array; only numeric leaves can be reduced. Return it separately, "
                 "or convert it (e.g. float(x))."
-            )
-        leaves.append(Leaf(path or "<result>", keys, parents, node, *kind))
+            ) from None
+        leaves.append(Leaf(path or "<result>", keys, key, parents, *described))
+        values.append(node)
         return len(leaves) - 1
 
-    template = walk(obj, "", (), ())
+    template = walk(obj, "", (), (), None)
+    if type(obj) is dict and all(isinstance(child, int) for _, child in template[1]):
+        keys = list(obj)  # a flat dict: rebuild it without walking the template
+        return leaves, values, lambda new_values: dict(zip(keys, new_values, strict=True))
 
-    def rebuild(values: Sequence[Any]) -> Any:
+    def rebuild(new_values: Sequence[Any]) -> Any:
         def build(node: Any) -> Any:
             if isinstance(node, int):
-                return values[node]
+                return new_values[node]
             container, children = node
             if issubclass(container, dict):
                 items = [(key, build(child)) for key, child in children]
@@ -108,7 +153,7 @@ def flatten(obj: Any) -> tuple[list[Leaf], Callable[[Sequence[Any]], Any]]:
 
         return build(template)
 
-    return leaves, rebuild
+    return leaves, values, rebuild
 
 
 def _short(value: Any) -> str:

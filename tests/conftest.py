@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import ddpctx
 
-# Scripts that the tests launch as separate processes, not test modules.
-collect_ignore = ["scripts"]
+# Scripts the tests launch as processes, and files only mypy checks: not test modules.
+collect_ignore = ["scripts", "typing"]
 
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_")
 LAUNCHER_NAMES = (
