@@ -4,26 +4,59 @@
 >>> with distributed(seed=42) as ctx:
 ...     ctx.world_size
 1
+
+Names are imported on first use, so that ``import ddpctx.testing`` (the pytest
+plugin, loaded by every pytest run) does not import torch.
 """
 
-from ddpctx.collectives import ReductionError
-from ddpctx.compat import (
-    cleanup_ddp,
-    format_time,
-    get_model_size,
-    reduce_tensor,
-    set_seed,
-    setup_ddp,
-)
-from ddpctx.context import DistContext, DistributedSession, current, distributed
-from ddpctx.decorators import all_reduced, rank_zero_first, rank_zero_only
-from ddpctx.rankzero import RankZeroError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddpctx.collectives import ReductionError
+    from ddpctx.compat import (
+        cleanup_ddp,
+        format_time,
+        get_model_size,
+        reduce_tensor,
+        set_seed,
+        setup_ddp,
+    )
+    from ddpctx.context import DistContext, DistributedSession, current, distributed
+    from ddpctx.decorators import all_reduced, rank_zero_first, rank_zero_only
+    from ddpctx.launch import RankError, RankTimeoutError, launch
+    from ddpctx.rankzero import RankZeroError
 
 __version__ = "0.1.0"
+
+_HOMES = {
+    "ReductionError": "ddpctx.collectives",
+    "cleanup_ddp": "ddpctx.compat",
+    "format_time": "ddpctx.compat",
+    "get_model_size": "ddpctx.compat",
+    "reduce_tensor": "ddpctx.compat",
+    "set_seed": "ddpctx.compat",
+    "setup_ddp": "ddpctx.compat",
+    "DistContext": "ddpctx.context",
+    "DistributedSession": "ddpctx.context",
+    "current": "ddpctx.context",
+    "distributed": "ddpctx.context",
+    "all_reduced": "ddpctx.decorators",
+    "rank_zero_first": "ddpctx.decorators",
+    "rank_zero_only": "ddpctx.decorators",
+    "RankError": "ddpctx.launch",
+    "RankTimeoutError": "ddpctx.launch",
+    "launch": "ddpctx.launch",
+    "RankZeroError": "ddpctx.rankzero",
+}
 
 __all__ = [
     "DistContext",
     "DistributedSession",
+    "RankError",
+    "RankTimeoutError",
     "RankZeroError",
     "ReductionError",
     "__version__",
@@ -33,9 +66,23 @@ __all__ = [
     "distributed",
     "format_time",
     "get_model_size",
+    "launch",
     "rank_zero_first",
     "rank_zero_only",
     "reduce_tensor",
     "set_seed",
     "setup_ddp",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ddpctx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -406,7 +406,7 @@ def _adopted_launch(backend: str | None, environ: Mapping[str, str]) -> tuple[La
             f"backend={backend!r} but the process group that was already initialised uses "
             f"{group_backend!r}. Drop backend= to adopt the existing group, or destroy it first."
         )
-    detected = detect_launch(environ)
+    detected = detect_launch(environ, rendezvous=False)
     if (detected.rank, detected.world_size) == (rank, world_size):
         return detected, group_backend
     info = replace(

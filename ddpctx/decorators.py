@@ -54,7 +54,7 @@ def whoami() -> Place:
     context = current()
     if context is not None:
         return Place(context.rank, context.world_size, context.local_rank, context.node_rank)
-    info = detect_launch(os.environ)  # a malformed RANK is a loud error, not rank 0
+    info = detect_launch(os.environ, rendezvous=False)  # a malformed RANK is a loud error
     if not dist.is_initialized():
         return Place(info.rank, 1, info.local_rank, info.node_rank)
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -115,14 +115,15 @@ def _check_ranks(
         )
 
 
-def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
+def detect_launch(environ: Mapping[str, str], rendezvous: bool = True) -> LaunchInfo:
     """Work out the launcher and this process's place in the job.
 
     Raises ``ValueError`` naming the variable, its value and the fix for any
-    inconsistent or malformed value.
+    inconsistent or malformed value. ``rendezvous=False`` skips the checks of
+    rank 0's address, for a process group that already exists.
     """
     if "RANK" in environ or "WORLD_SIZE" in environ:
-        return _detect_env(environ)
+        return _detect_env(environ, rendezvous)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and _in_slurm_step(environ):
         return _detect_slurm(environ)
     if "OMPI_COMM_WORLD_RANK" in environ or "OMPI_COMM_WORLD_SIZE" in environ:
@@ -130,7 +131,7 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
     return LaunchInfo("single", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
 
 
-def _detect_env(environ: Mapping[str, str]) -> LaunchInfo:
+def _detect_env(environ: Mapping[str, str], rendezvous: bool) -> LaunchInfo:
     fix = (
         "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE itself: launch with "
         "`torchrun --nproc_per_node=N script.py`, or unset them all to run one process."
@@ -158,7 +159,7 @@ def _detect_env(environ: Mapping[str, str]) -> LaunchInfo:
     node_rank = _optional_int(environ, "GROUP_RANK", rank // local_world_size, fix)
     master_addr: str | None = None
     master_port: int | None = None
-    if world_size > 1:
+    if world_size > 1 and rendezvous:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if environ.get(name, "").strip() == "":
                 raise ValueError(
