@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     )
     from ddpctx.context import DistContext, DistributedSession, current, distributed
     from ddpctx.decorators import all_reduced, rank_zero_first, rank_zero_only
-    from ddpctx.launch import RankError, RankTimeoutError, launch
+    from ddpctx.launcher import RankError, RankTimeoutError, launch
     from ddpctx.rankzero import RankZeroError
 
 __version__ = "0.1.0"
@@ -46,9 +46,9 @@ _HOMES = {
     "all_reduced": "ddpctx.decorators",
     "rank_zero_first": "ddpctx.decorators",
     "rank_zero_only": "ddpctx.decorators",
-    "RankError": "ddpctx.launch",
-    "RankTimeoutError": "ddpctx.launch",
-    "launch": "ddpctx.launch",
+    "RankError": "ddpctx.launcher",
+    "RankTimeoutError": "ddpctx.launcher",
+    "launch": "ddpctx.launcher",
     "RankZeroError": "ddpctx.rankzero",
 }
 

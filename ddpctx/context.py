@@ -77,6 +77,7 @@ from ddpctx.env import (
     resolve_device_index,
     resolve_timeout,
 )
+from ddpctx.errors import is_follow_on
 from ddpctx.rankzero import Place, zero_first
 from ddpctx.seeding import enable_deterministic, seed_everything, validate_seed
 
@@ -560,22 +561,6 @@ def _exit_on_sigterm(rank: int) -> Callable[[], None] | None:
     return restore
 
 
-#: Fragments of the errors a collective raises when a peer process is gone.
-#: Such an error is a consequence, not a cause.
-_PEER_GONE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "remote process exited",
-    "communicator was aborted",
-)
-
-
-def is_follow_on_error(exc: BaseException) -> bool:
-    """True for a collective error raised because another rank died first."""
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)
-
-
 def _record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None:
     """Write ``exc`` where torchrun looks for a worker's error (torch's ``@record`` format).
 
@@ -587,7 +572,8 @@ def _record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    timestamp = int(time.time()) + (1 if is_follow_on_error(exc) else 0)
+    follow_on = isinstance(exc, RuntimeError) and is_follow_on(str(exc))
+    timestamp = int(time.time()) + (1 if follow_on else 0)
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 import ddpctx
 
+pytest_plugins = ["pytester"]
+
 # Scripts the tests launch as processes, and files only mypy checks: not test modules.
 collect_ignore = ["scripts", "typing"]
 

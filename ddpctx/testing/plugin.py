@@ -1,6 +1,6 @@
 """The pytest plugin: ``@pytest.mark.distributed``, ``dist_ctx``, ``run_distributed``.
 
-Ranks come from warm pools of worker processes (:class:`ddpctx.launch.RankPool`),
+Ranks come from warm pools of worker processes (:class:`ddpctx.launcher.RankPool`),
 one pool per world size, kept for the whole session; every test gets a fresh
 process group. Workers are forked from the pytest process after collection,
 with torch already imported, so they hold the same test modules -- with
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from ddpctx.launch import RankPool
+    from ddpctx.launcher import RankPool
 
 MARKER = "distributed"
 _WORLD_SIZE_PARAM = "_ddpctx_world_size"
@@ -54,7 +54,7 @@ class _Pools:
 
         import torch  # noqa: F401 -- imported before forking, so workers start warm
 
-        from ddpctx.launch import RankPool, _Task
+        from ddpctx.launcher import RankPool, _Task
 
         try:
             pickle.dumps((fn, args, kwargs))
@@ -167,7 +167,7 @@ def run_distributed(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
         timeout: float = DEFAULT_TIMEOUT_S,
         **kwargs: Any,
     ) -> list[Any]:
-        from ddpctx.launch import RankError, RemoteTraceback
+        from ddpctx.launcher import RankError, RemoteTraceback
 
         try:
             return pools.run(world_size, fn, args, kwargs, timeout)
@@ -206,7 +206,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     wants_ctx = "dist_ctx" in names
     pools = pyfuncitem.config.stash[_pools_key]
 
-    from ddpctx.launch import RankError, RankSkipped, RankTimeoutError, RemoteTraceback, summary
+    from ddpctx.launcher import RankError, RankSkipped, RankTimeoutError, RemoteTraceback, summary
 
     try:
         pools.run(world_size, _call_test_body, (pyfuncitem.obj, funcargs, wants_ctx), {}, timeout)

@@ -1,5 +1,8 @@
 """Run a function on N local ranks: worker processes, rendezvous, fail-fast, stack dumps.
 
+(Named ``launcher`` rather than ``launch`` so that importing this module does
+not replace the function ``ddpctx.launch`` on the package.)
+
 This module is the one engine behind :func:`launch` and the pytest plugin
 (:mod:`ddpctx.testing`). It owns every hard part:
 
@@ -50,6 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ddpctx.errors import is_follow_on
 
 #: Seconds the other ranks get, after the first failure, to report their own errors.
 FOLLOW_ON_GRACE_S = 1.0
@@ -243,6 +248,14 @@ def _run_task(rank: int, world_size: int, task: _Task) -> _Outcome:
             os.environ.pop(name, None)
 
 
+def _root_cause(outcomes: dict[int, _Outcome]) -> _Outcome | None:
+    """The failure to report: a rank's own error before any follow-on error, earliest first."""
+    bad = [o for o in outcomes.values() if o.kind != "ok"]
+    if not bad:
+        return None
+    return min(bad, key=lambda o: (is_follow_on(o.error_text), o.finished))
+
+
 def _is_pytest_skip(error: BaseException) -> bool:
     pytest = sys.modules.get("pytest")
     return pytest is not None and isinstance(error, pytest.skip.Exception)
@@ -396,16 +409,14 @@ class RankPool:
                 elif (rank := deaths[item]) not in outcomes and not self._conns[rank].poll():
                     outcomes[rank] = self._died(rank)
             if first_bad is None:
-                bad = sorted(
-                    (o for o in outcomes.values() if o.kind != "ok"), key=lambda o: o.finished
-                )
-                if bad:
-                    first_bad = bad[0]
+                first_bad = _root_cause(outcomes)
+                if first_bad is not None:
                     grace_end = time.monotonic() + FOLLOW_ON_GRACE_S
             if grace_end is not None and time.monotonic() >= grace_end:
                 break
             if deadline is not None and time.monotonic() >= deadline and first_bad is None:
                 raise self._timeout_error(timeout, outcomes)
+        first_bad = _root_cause(outcomes)  # later reports may hold the real cause
         if first_bad is not None:
             self.healthy = False
             raise self._failure(first_bad, outcomes)
