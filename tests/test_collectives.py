@@ -1,271 +1,370 @@
-"""@all_reduced, @rank_zero_only, rank_zero_first and object collectives on real ranks.
+"""@all_reduced, @rank_zero_only, rank_zero_first and object collectives on 2 and 3 real ranks.
 
-One torchrun job per world size (2 and 3) runs every scenario of
-``tests/scripts/collective_scenarios.py``; each test below checks one behaviour
-on every rank.
+Every test body runs on each rank (the ddpctx pytest plugin), with a real gloo group.
 """
 
 from __future__ import annotations
 
-import json
+import math
+import time
+from collections import namedtuple
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
-from tests.helpers import REPO, run_torchrun
+from ddpctx import (
+    DistContext,
+    RankZeroError,
+    ReductionError,
+    all_reduced,
+    rank_zero_first,
+    rank_zero_only,
+)
+from ddpctx.rankzero import Outcome, Place, share
 
+RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 FAST = 5.0  # seconds within which a failure must reach every rank
+Pair = namedtuple("Pair", "first second")
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"ws{n}")
-def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
-    world: int = request.param
-    out = tmp_path_factory.mktemp(f"scenarios{world}")
-    script = REPO / "tests" / "scripts" / "collective_scenarios.py"
-    result = run_torchrun(script, str(out), nproc=world, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+class CountingAllReduce:
+    """Counts calls to dist.all_reduce (the real one still runs)."""
+
+    def __enter__(self) -> CountingAllReduce:
+        self.calls = 0
+        self.original = dist.all_reduce
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self.original
 
 
-def values(ranks: list[Any], scenario: str) -> list[Any]:
-    for rank, record in enumerate(ranks):
-        assert record[scenario]["ok"], f"rank {rank}: {record[scenario]}"
-    return [record[scenario]["value"] for record in ranks]
+@RANKS
+def test_mean_is_the_same_on_every_rank(dist_ctx: DistContext) -> None:
+    result = all_reduced(lambda: float(dist_ctx.rank + 1))()
+    assert result == (dist_ctx.world_size + 1) / 2
 
 
-def errors(ranks: list[Any], scenario: str) -> list[dict[str, Any]]:
-    for rank, record in enumerate(ranks):
-        assert not record[scenario]["ok"], f"rank {rank} did not raise: {record[scenario]}"
-        assert record[scenario]["seconds"] < FAST, f"rank {rank} took {record[scenario]}"
-    return [record[scenario] for record in ranks]
-
-
-def number(leaf: dict[str, Any]) -> Any:
-    return leaf["value"]
-
-
-def test_mean_is_the_same_on_every_rank(ranks: list[Any]) -> None:
-    world = len(ranks)
-    assert [number(v) for v in values(ranks, "mean_of_floats")] == [(world + 1) / 2] * world
-
-
-def test_every_op_by_name(ranks: list[Any]) -> None:
-    world = len(ranks)
-    expected = {
-        "m": {"type": "float", "value": (world + 1) / 2},
-        "s": {"type": "int", "value": world * (world + 1) // 2},
-        "hi": {"type": "int", "value": world},
-        "lo": {"type": "int", "value": 1},
-        "p": {"type": "int", "value": 2 if world == 2 else 6},
+@RANKS
+def test_every_op_by_name(dist_ctx: DistContext) -> None:
+    n = dist_ctx.world_size
+    ops = {"m": "mean", "s": "sum", "hi": "max", "lo": "min", "p": "prod"}
+    result = all_reduced(op=ops)(lambda: dict.fromkeys(ops, dist_ctx.rank + 1))()
+    assert result == {
+        "m": (n + 1) / 2,
+        "s": n * (n + 1) // 2,
+        "hi": n,
+        "lo": 1,
+        "p": math.factorial(n),
     }
-    assert values(ranks, "every_op") == [expected] * world
+    assert isinstance(result["s"], int)
+    assert isinstance(result["m"], float)
 
 
-def test_a_single_op_applies_to_every_leaf(ranks: list[Any]) -> None:
-    world = len(ranks)
-    result = values(ranks, "single_op_for_everything")[0]
-    firsts = {op: [item["value"] for item in result[op]["items"]] for op in result}
-    assert firsts["sum"] == [world * (world + 1) / 2, 10 * world * (world + 1) / 2]
-    assert firsts["max"] == [world, 10.0 * world]
-    assert firsts["min"] == [1.0, 10.0]
-    assert firsts["prod"][0] == (2.0 if world == 2 else 6.0)
+@RANKS
+def test_a_single_op_applies_to_every_leaf(dist_ctx: DistContext) -> None:
+    n, r = dist_ctx.world_size, dist_ctx.rank
+    values = {
+        op: all_reduced(op=op)(lambda: [float(r + 1), 10.0 * (r + 1)])()
+        for op in ("sum", "max", "min", "prod")
+    }
+    assert values["sum"] == [n * (n + 1) / 2, 10 * n * (n + 1) / 2]
+    assert values["max"] == [n, 10.0 * n]
+    assert values["min"] == [1.0, 10.0]
+    assert values["prod"][0] == math.factorial(n)
 
 
-def test_weighted_mean_weighs_each_rank_by_its_count(ranks: list[Any]) -> None:
-    # rank 0: 1 sample, loss 1; rank 1: 3 samples, loss 4; rank 2: no samples.
-    for value in values(ranks, "weighted_mean"):
-        assert value["loss"] == {"type": "tensor:torch.float32:cpu", "value": 3.25}
-        assert value["acc"]["value"] == pytest.approx(0.325)
-        assert value["count"] == {"type": "int", "value": 4}
+@RANKS
+def test_weighted_mean_weighs_each_rank_by_its_count(dist_ctx: DistContext) -> None:
+    # rank 0: 1 sample, loss 1; rank 1: 3 samples, mean loss 4; rank 2: no samples.
+    losses, counts = [1.0, 4.0, 10.0], [1, 3, 0]
+    rank = dist_ctx.rank
+
+    @all_reduced(weight="count")
+    def evaluate() -> dict[str, Any]:
+        return {"loss": torch.tensor(losses[rank]), "acc": losses[rank] / 10, "count": counts[rank]}
+
+    result = evaluate()
+    assert result["loss"].item() == 3.25  # (1*1 + 4*3) / 4, not the plain mean of the ranks
+    assert result["acc"] == pytest.approx(0.325)
+    assert result["count"] == 4
 
 
-def test_a_total_weight_of_zero_gives_nan_not_zero(ranks: list[Any]) -> None:
-    for value in values(ranks, "zero_total_weight"):
-        assert value == {
-            "loss": {"type": "float", "value": "nan"},
-            "count": {"type": "int", "value": 0},
+@RANKS
+def test_a_total_weight_of_zero_gives_nan_not_zero(dist_ctx: DistContext) -> None:
+    result = all_reduced(weight="count")(lambda: {"loss": 0.0, "count": 0})()
+    assert math.isnan(result["loss"])
+    assert result["count"] == 0
+
+
+def every_kind(rank: int) -> dict[str, Any]:
+    return {
+        "int": rank + 1,
+        "float": rank + 0.5,
+        "bool": rank == 0,
+        "np_float32": np.float32(rank + 1),
+        "np_int64": np.int64(rank + 1),
+        "np_array": np.array([rank, 2 * rank]),
+        "tensor_0d": torch.tensor(float(rank + 1)),
+        "tensor_int": torch.tensor([rank, rank + 1]),
+        "tensor_2d": torch.full((2, 2), float(rank)),
+        "tensor_bool": torch.tensor(rank == 0),
+    }
+
+
+@RANKS
+def test_leaf_kinds_survive_a_mean(dist_ctx: DistContext) -> None:
+    n = dist_ctx.world_size
+    mean = (n + 1) / 2
+    result = all_reduced(lambda: every_kind(dist_ctx.rank))()
+    assert result["int"] == mean
+    assert isinstance(result["int"], float)
+    assert result["float"] == mean - 0.5
+    assert result["bool"] == pytest.approx(1 / n)
+    assert isinstance(result["np_float32"], np.float32)
+    assert result["np_float32"] == mean
+    assert isinstance(result["np_int64"], np.float64)
+    assert result["np_array"].dtype == np.float64
+    assert result["np_array"].tolist() == [mean - 1, 2 * mean - 2]
+    assert result["tensor_0d"].dtype == torch.float32
+    assert result["tensor_0d"].shape == ()
+    assert result["tensor_int"].dtype == torch.get_default_dtype()
+    assert result["tensor_int"].tolist() == [mean - 1, mean]
+    assert result["tensor_2d"].tolist() == [[mean - 1] * 2] * 2
+    assert result["tensor_bool"].dtype == torch.get_default_dtype()
+    assert all(t.device == dist_ctx.device for t in result.values() if isinstance(t, torch.Tensor))
+
+
+@RANKS
+def test_leaf_kinds_survive_a_sum_and_integers_stay_integers(dist_ctx: DistContext) -> None:
+    n = dist_ctx.world_size
+    total = n * (n + 1) // 2
+    result = all_reduced(op="sum")(lambda: every_kind(dist_ctx.rank))()
+    assert result["int"] == total
+    assert isinstance(result["int"], int)
+    assert result["bool"] == 1  # how many ranks said True
+    assert isinstance(result["np_int64"], np.int64)
+    assert result["np_array"].dtype == np.int64
+    assert result["np_array"].tolist() == [total - n, 2 * (total - n)]
+    assert result["tensor_int"].dtype == torch.int64
+    assert result["tensor_int"].tolist() == [total - n, total]
+    assert result["tensor_bool"].dtype == torch.int64
+    assert result["tensor_bool"].item() == 1
+
+
+@RANKS
+def test_nested_dicts_use_the_nearest_count(dist_ctx: DistContext) -> None:
+    n, r = dist_ctx.world_size, dist_ctx.rank
+
+    @all_reduced(weight="count", op={"lr": "max"})
+    def metrics() -> dict[str, Any]:
+        return {
+            "train": {"loss": float(r + 1), "count": 1},
+            "val": {"loss": 2.0 * r, "count": r, "parts": [float(r), Pair(r, 1.0)]},
+            "lr": (0.1, 0.2 * (r + 1)),
         }
 
-
-def test_leaf_kinds_survive_a_mean(ranks: list[Any]) -> None:
-    world = len(ranks)
-    mean = (world + 1) / 2
-    for value in values(ranks, "leaf_kinds_under_mean"):
-        assert value["int"] == {"type": "float", "value": mean}
-        assert value["float"] == {"type": "float", "value": mean - 0.5}
-        assert value["bool"] == {"type": "float", "value": pytest.approx(1 / world)}
-        assert value["np_float32"] == {"type": "float32:float32", "value": mean}
-        assert value["np_int64"] == {"type": "float64:float64", "value": mean}
-        assert value["np_array"] == {"type": "ndarray:float64", "value": [mean - 1, 2 * mean - 2]}
-        assert value["tensor_0d"] == {"type": "tensor:torch.float32:cpu", "value": mean}
-        assert value["tensor_int"] == {
-            "type": "tensor:torch.float32:cpu",
-            "value": [mean - 1, mean],
-        }
-        assert value["tensor_2d"]["value"] == [[mean - 1] * 2] * 2
-        assert value["tensor_bool"]["type"] == "tensor:torch.float32:cpu"
+    result = metrics()
+    assert result["train"] == {"loss": (n + 1) / 2, "count": n}
+    val_count = sum(range(n))  # rank r has r samples of loss 2r
+    assert result["val"]["loss"] == pytest.approx(sum(2 * k * k for k in range(n)) / val_count)
+    assert isinstance(result["val"]["parts"][1], Pair)  # namedtuples come back as themselves
+    assert isinstance(result["lr"], tuple)
+    assert result["lr"][1] == pytest.approx(0.2 * n)  # op "max"
 
 
-def test_leaf_kinds_survive_a_sum_and_integers_stay_integers(ranks: list[Any]) -> None:
-    world = len(ranks)
-    total = world * (world + 1) // 2
-    for value in values(ranks, "leaf_kinds_under_sum"):
-        assert value["int"] == {"type": "int", "value": total}
-        assert value["bool"] == {"type": "int", "value": 1}  # how many ranks said True
-        assert value["np_int64"] == {"type": "int64:int64", "value": total}
-        assert value["np_array"] == {
-            "type": "ndarray:int64",
-            "value": [total - world, 2 * (total - world)],
-        }
-        assert value["tensor_int"] == {
-            "type": "tensor:torch.int64:cpu",
-            "value": [total - world, total],
-        }
-        assert value["tensor_bool"] == {"type": "tensor:torch.int64:cpu", "value": 1}
+def expect_error_everywhere(fn: Any, error: type[BaseException]) -> BaseException:
+    started = time.monotonic()
+    with pytest.raises(error) as raised:
+        fn()
+    assert time.monotonic() - started < FAST
+    return raised.value
 
 
-def test_nested_dicts_use_the_nearest_count(ranks: list[Any]) -> None:
-    world = len(ranks)
-    value = values(ranks, "nested_structures")[0]
-    assert value["train"]["loss"]["value"] == (world + 1) / 2  # counts 1 each
-    assert value["train"]["count"]["value"] == world
-    val_count = sum(range(world))  # rank r has r samples of loss 2r
-    assert value["val"]["loss"]["value"] == pytest.approx(
-        sum(2 * r * r for r in range(world)) / val_count
+@RANKS
+def test_different_keys_are_an_error_on_every_rank(dist_ctx: DistContext) -> None:
+    key = "acc" if dist_ctx.rank == 0 else "f1"
+    error = expect_error_everywhere(all_reduced(lambda: {"loss": 1.0, key: 0.5}), ReductionError)
+    assert "ranks returned different structures" in str(error)
+    assert "rank 1 lacks ['acc']; adds ['f1']" in str(error)
+
+
+@RANKS
+def test_different_lengths_are_an_error_not_an_abort(dist_ctx: DistContext) -> None:
+    big = {"loss": 1.0, "hist": torch.ones(500)}
+    fn = all_reduced(lambda: {"loss": 1.0} if dist_ctx.rank == 0 else big)
+    error = expect_error_everywhere(fn, ReductionError)
+    assert "rank 1 adds ['hist']" in str(error)
+
+
+@RANKS
+def test_different_shapes_are_an_error_on_every_rank(dist_ctx: DistContext) -> None:
+    fn = all_reduced(lambda: {"x": torch.zeros(2 + (dist_ctx.rank > 0))})
+    error = expect_error_everywhere(fn, ReductionError)
+    assert (
+        "has ['x'] as tensor:torch.float32[3] mean (rank 0: tensor:torch.float32[2] mean)"
+        in str(error)
     )
-    pair = value["val"]["parts"]["items"][1]
-    assert pair["type"] == "Pair"  # namedtuples come back as themselves
-    assert value["lr"]["type"] == "tuple"
-    assert value["lr"]["items"][1]["value"] == pytest.approx(0.2 * world)  # op "max"
+
+
+@RANKS
+def test_a_non_numeric_leaf_on_one_rank_is_an_error_on_every_rank(dist_ctx: DistContext) -> None:
+    last = dist_ctx.world_size - 1
+    fn = all_reduced(lambda: {"loss": 1.0, "tag": "best" if dist_ctx.rank == last else 0.0})
+    if dist_ctx.rank == last:
+        error = expect_error_everywhere(fn, TypeError)
+        assert str(error).startswith("['tag'] is str 'best'")
+    else:
+        error = expect_error_everywhere(fn, ReductionError)
+        assert f"rank {last} could not reduce its result" in str(error)
+        assert "['tag'] is str" in str(error)
+
+
+@RANKS
+def test_an_exception_inside_on_one_rank_reaches_every_rank(dist_ctx: DistContext) -> None:
+    @all_reduced
+    def evaluate() -> float:
+        if dist_ctx.rank == 1:
+            raise KeyError("validation shard missing")
+        return 1.0
+
+    if dist_ctx.rank == 1:
+        expect_error_everywhere(evaluate, KeyError)
+    else:
+        error = expect_error_everywhere(evaluate, ReductionError)
+        assert "rank 1: KeyError: 'validation shard missing'" in str(error)
+
+
+@RANKS
+def test_one_collective_for_all_mean_and_sum_leaves(dist_ctx: DistContext) -> None:
+    thirty_two = all_reduced(op={f"s{i}": "sum" for i in range(16)})(
+        lambda: {
+            **{f"m{i}": torch.tensor(1.0) for i in range(16)},
+            **{f"s{i}": torch.tensor(2.0) for i in range(16)},
+        }
+    )
+    with_max = all_reduced(op={"peak": "max"})(lambda: {"loss": 1.0, "peak": float(dist_ctx.rank)})
+    grows = all_reduced(lambda: torch.ones(1000) * dist_ctx.rank)
+    counts = []
+    for fn in (thirty_two, with_max, grows, grows):
+        with CountingAllReduce() as counter:
+            result = fn()
+        counts.append(counter.calls)
+    # one; one more for "max" only; the buffer grows once, then it is one again
+    assert counts == [1, 2, 2, 1]
+    assert result[0].item() == (dist_ctx.world_size - 1) / 2
+
+
+@RANKS
+def test_ctx_all_reduce_is_the_functional_form(dist_ctx: DistContext) -> None:
+    n, r = dist_ctx.world_size, dist_ctx.rank
+    result = dist_ctx.all_reduce({"loss": float(r), "count": r + 1}, weight="count")
+    count = n * (n + 1) // 2
+    assert result["count"] == count
+    assert result["loss"] == pytest.approx(sum(k * (k + 1) for k in range(n)) / count)
 
 
 @pytest.mark.parametrize(
-    ("scenario", "details"),
+    ("form", "error_type", "message"),
     [
-        ("mismatch_same_length", ["rank 1 lacks ['acc']", "adds ['f1']"]),
-        ("mismatch_different_length", ["rank 1 adds ['hist']"]),
-        ("mismatch_shape", ["['x'] as tensor:torch.float32[3]", "rank 0: tensor:torch.float32[2]"]),
+        ("barrier", OSError, "disk full while writing checkpoint"),
+        ("broadcast", ValueError, "no run name"),
+        ("first", RuntimeError, "download failed"),
     ],
 )
-def test_different_structures_are_an_error_on_every_rank(
-    ranks: list[Any], scenario: str, details: list[str]
-) -> None:
-    for error in errors(ranks, scenario):
-        assert error["type"] == "ReductionError"
-        assert "ranks returned different structures" in error["message"]
-        for detail in details:
-            assert detail in error["message"]
-
-
-def test_a_non_numeric_leaf_on_one_rank_is_an_error_on_every_rank(ranks: list[Any]) -> None:
-    found = errors(ranks, "non_numeric_leaf_on_one_rank")
-    last = len(ranks) - 1
-    assert found[last]["type"] == "TypeError"
-    assert found[last]["message"].startswith("['tag'] is str 'best'")
-    for error in found[:last]:
-        assert error["type"] == "ReductionError"
-        assert f"rank {last} could not reduce its result" in error["message"]
-        assert "['tag'] is str" in error["message"]
-
-
-def test_an_exception_inside_on_one_rank_reaches_every_rank(ranks: list[Any]) -> None:
-    found = errors(ranks, "exception_inside_on_one_rank")
-    assert found[1]["type"] == "KeyError"
-    for rank, error in enumerate(found):
-        if rank != 1:
-            assert error["type"] == "ReductionError"
-            assert "rank 1: KeyError: 'validation shard missing'" in error["message"]
-
-
-def test_one_collective_for_all_mean_and_sum_leaves(ranks: list[Any]) -> None:
-    for counts in values(ranks, "collectives_per_call"):
-        assert counts["32 mean+sum"]["value"] == 1
-        assert counts["with max"]["value"] == 2  # one more for the "max" leaves only
-        assert counts["1000 first call"]["value"] == 2  # the buffer grows once...
-        assert counts["1000 second call"]["value"] == 1  # ...then it is one again
-        assert counts["1000 value"]["value"] == (len(ranks) - 1) / 2
-
-
-def test_ctx_all_reduce_is_the_functional_form(ranks: list[Any]) -> None:
-    world = len(ranks)
-    count = world * (world + 1) // 2
-    loss = sum(r * (r + 1) for r in range(world)) / count
-    for value in values(ranks, "functional_all_reduce"):
-        assert value["count"]["value"] == count
-        assert value["loss"]["value"] == pytest.approx(loss)
-
-
-@pytest.mark.parametrize(
-    ("scenario", "error_type", "message"),
-    [
-        ("barrier_failure_on_rank_zero", "OSError", "disk full while writing checkpoint"),
-        ("broadcast_failure_on_rank_zero", "ValueError", "no run name"),
-        ("rank_zero_first_failure", "RuntimeError", "download failed"),
-    ],
-)
+@RANKS
 def test_a_failure_on_rank_zero_is_raised_on_every_rank(
-    ranks: list[Any], scenario: str, error_type: str, message: str
+    dist_ctx: DistContext, form: str, error_type: type[Exception], message: str
 ) -> None:
-    found = errors(ranks, scenario)
-    assert found[0] == {**found[0], "type": error_type, "message": message}
-    for error in found[1:]:
-        assert error["type"] == "RankZeroError"
-        assert error["message"].startswith(f"rank 0 raised {error_type}: {message}")
-        assert "Traceback on rank 0" in error["message"]
-        assert "collective_scenarios.py" in error["message"]  # rank 0's own frames
+    def fail() -> None:
+        raise error_type(message)
+
+    def call() -> None:
+        if form == "first":
+            with rank_zero_first():
+                if dist_ctx.rank == 0:
+                    fail()
+        else:
+            rank_zero_only(**{form: True})(fail)()
+
+    if dist_ctx.rank == 0:
+        error = expect_error_everywhere(call, error_type)
+        assert str(error) == message
+    else:
+        error = expect_error_everywhere(call, RankZeroError)
+        assert isinstance(error, RankZeroError)
+        assert (error.rank, error.error_type, error.message) == (0, error_type.__name__, message)
+        assert "in fail" in error.remote_traceback  # rank 0's own frames
 
 
-def test_broadcast_returns_rank_zeros_result_everywhere(ranks: list[Any]) -> None:
-    assert all(
-        v == {"name": {"type": "str", "value": "chosen-by-0"}}
-        for v in values(ranks, "broadcast_success")
-    )
+@RANKS
+def test_broadcast_returns_rank_zeros_result_everywhere(dist_ctx: DistContext) -> None:
+    result = rank_zero_only(broadcast=True)(lambda: {"name": f"chosen-by-{dist_ctx.rank}"})()
+    assert result == {"name": "chosen-by-0"}
 
 
-def test_rank_zero_only_runs_on_rank_zero_and_others_get_default(ranks: list[Any]) -> None:
-    results = values(ranks, "plain_rank_zero_only")
-    assert [item["value"] for item in results[0]["items"]] == ["ran", "ran"]
-    for other in results[1:]:
-        assert [item["value"] for item in other["items"]] == [None, "skipped"]
+@RANKS
+def test_rank_zero_only_runs_on_rank_zero_and_others_get_default(dist_ctx: DistContext) -> None:
+    ran = rank_zero_only(lambda: "ran")()
+    defaulted = rank_zero_only(default="skipped")(lambda: "ran")()
+    if dist_ctx.rank == 0:
+        assert (ran, defaulted) == ("ran", "ran")
+    else:
+        assert (ran, defaulted) == (None, "skipped")
 
 
-def test_barrier_makes_every_rank_wait_for_rank_zero(ranks: list[Any]) -> None:
-    assert all(
-        v == {"type": "bool", "value": True} for v in values(ranks, "barrier_waits_for_rank_zero")
-    )
+@RANKS
+def test_barrier_makes_every_rank_wait_for_rank_zero(dist_ctx: DistContext, tmp_path: Path) -> None:
+    marker = tmp_path / "written"
+
+    @rank_zero_only(barrier=True)
+    def slow_write() -> None:
+        time.sleep(0.3)
+        marker.write_text("done")
+
+    slow_write()
+    assert marker.exists()
 
 
-def test_rank_zero_first_lets_the_others_read_what_rank_zero_made(ranks: list[Any]) -> None:
-    assert all(v["value"] == "filled by 0" for v in values(ranks, "rank_zero_first_order"))
+@RANKS
+def test_rank_zero_first_lets_the_others_read_what_rank_zero_made(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache.txt"
+    with rank_zero_first():
+        if not cache.exists():
+            time.sleep(0.2)
+            cache.write_text(f"filled by {dist_ctx.rank}")
+        seen = cache.read_text()
+    assert seen == "filled by 0"
 
 
-def test_local_rank_zero_of_each_node_serves_its_own_node(ranks: list[Any]) -> None:
-    for rank, value in enumerate(values(ranks, "local_rank_zero_on_two_fake_nodes")):
-        node = rank // 2
-        assert [item["value"] for item in value["items"]] == [
-            f"node {node} value from rank {2 * node}",
-            2 * node,
-        ]
+@RANKS
+def test_local_rank_zero_of_each_node_serves_its_own_node(dist_ctx: DistContext) -> None:
+    rank = dist_ctx.rank  # pretend nodes of two: node = rank // 2, local rank = rank % 2
+    place = Place(rank, dist_ctx.world_size, rank % 2, rank // 2)
+    mine = Outcome(True, f"from rank {rank}") if rank % 2 == 0 else None
+    outcome, source = share(mine, place, local=True)
+    assert (outcome.result(source), source) == (f"from rank {2 * (rank // 2)}", 2 * (rank // 2))
 
 
-def test_broadcast_and_all_gather_take_objects_of_any_size(ranks: list[Any]) -> None:
-    world = len(ranks)
-    for value in values(ranks, "objects"):
-        assert [item["value"] for item in value["lengths"]["items"]] == [
-            1000 * r for r in range(world)
-        ]
-        assert value["broadcast"]["from"]["value"] == world - 1
-        assert value["broadcast"]["tensor"] == {
-            "type": "tensor:torch.int64:cpu",
-            "value": [0, 1, 2],
-        }
-
-
-def test_decorators_work_under_a_group_someone_else_created(ranks: list[Any]) -> None:
-    world = len(ranks)
-    results = values(ranks, "foreign_group_decorators")
-    for rank, value in enumerate(results):
-        reduced, chosen, ran = (item["value"] for item in value["items"])
-        assert reduced == (world - 1) / 2
-        assert chosen == 100  # rank 0's value, broadcast
-        assert ran == ("ran" if rank == 0 else None)
+@RANKS
+def test_broadcast_and_all_gather_take_objects_of_any_size(dist_ctx: DistContext) -> None:
+    n = dist_ctx.world_size
+    assert [len(x) for x in dist_ctx.all_gather("x" * (1000 * dist_ctx.rank))] == [
+        1000 * r for r in range(n)
+    ]
+    sent = dist_ctx.broadcast({"from": dist_ctx.rank, "tensor": torch.arange(3)}, src=n - 1)
+    assert sent["from"] == n - 1
+    assert sent["tensor"].tolist() == [0, 1, 2]
+    assert sent["tensor"].device == torch.device("cpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +92,13 @@ def test_distributed_can_be_entered_again_in_the_same_job() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     for attempt in range(4):
         assert f"formation {attempt}: sum {1.0 + 2 * attempt}" in result.stdout
+
+
+def test_decorators_work_under_a_group_formed_without_ddpctx(tmp_path: Path) -> None:
+    result = run_torchrun(SCRIPTS / "foreign_group.py", str(tmp_path), nproc=2, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert records == [
+        {"context": False, "mean": 0.5, "broadcast": 100, "plain": "ran"},
+        {"context": False, "mean": 0.5, "broadcast": 100, "plain": None},
+    ]
