@@ -164,3 +164,47 @@ def test_from_a_repl_session() -> None:
         cwd=REPO,
     )
     assert "RESULT [2, 2]" in result.stdout, result.stderr
+
+
+def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, time, ddpctx
+
+            def wait_forever():
+                open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
+                time.sleep(600)
+
+            if __name__ == "__main__":
+                ddpctx.launch(wait_forever, world_size=2)
+            """
+        )
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
+        assert len(ranks) == 2
+        parent.send_signal(signal.SIGINT)
+        _, stderr = parent.communicate(timeout=30)
+    finally:
+        parent.kill()
+    assert "KeyboardInterrupt" in stderr
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in ranks if Path(f"/proc/{pid}").exists()] == []
