@@ -207,8 +207,9 @@ def _unpicklable(outcome: _Outcome, error: Exception) -> _Outcome:
 def _run_task(rank: int, world_size: int, task: _Task) -> _Outcome:
     import torch.distributed as dist
 
-    from ddpctx.context import distributed, init_kwargs, loopback_gloo
+    from ddpctx.context import distributed
     from ddpctx.env import resolve_timeout
+    from ddpctx.group import init_kwargs, loopback_gloo
 
     os.environ.update(
         RANK=str(rank),

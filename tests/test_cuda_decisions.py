@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import ddpctx
 from ddpctx import distributed
-from ddpctx.context import _make_plan, init_kwargs
+from ddpctx.context import _make_plan
+from ddpctx.group import init_kwargs
 
 TWO_RANKS = {
     "RANK": "1",
