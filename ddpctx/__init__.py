@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ddpctx.decorators import all_reduced, rank_zero_first, rank_zero_only
     from ddpctx.launcher import RankError, RankTimeoutError, launch
     from ddpctx.rankzero import RankZeroError
+    from ddpctx.report import get_logger, progress
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,8 @@ _HOMES = {
     "RankTimeoutError": "ddpctx.launcher",
     "launch": "ddpctx.launcher",
     "RankZeroError": "ddpctx.rankzero",
+    "get_logger": "ddpctx.report",
+    "progress": "ddpctx.report",
 }
 
 __all__ = [
@@ -65,8 +68,10 @@ __all__ = [
     "current",
     "distributed",
     "format_time",
+    "get_logger",
     "get_model_size",
     "launch",
+    "progress",
     "rank_zero_first",
     "rank_zero_only",
     "reduce_tensor",

@@ -39,18 +39,30 @@ import builtins
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TypeVar
 
 import contextlib2
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
 
+from ddpctx.checkpoint import (
+    atomic_save,
+    check_world_size,
+    load_file,
+    newest_checkpoint,
+    next_checkpoint_path,
+    prune,
+    training_state,
+    unwrap_model,
+)
 from ddpctx.collectives import (
     OpSpec,
     Site,
@@ -59,6 +71,7 @@ from ddpctx.collectives import (
     broadcast_object,
     check_op,
 )
+from ddpctx.data import epochs, make_dataloader
 from ddpctx.env import (
     Launcher,
     LaunchInfo,
@@ -73,8 +86,17 @@ from ddpctx.group import (
     init_group,
     record_for_torchrun,
 )
-from ddpctx.rankzero import Place, zero_first
-from ddpctx.seeding import enable_deterministic, seed_everything, validate_seed
+from ddpctx.rankzero import Place, on_rank_zero, zero_first
+from ddpctx.report import bar_on_main
+from ddpctx.seeding import (
+    enable_deterministic,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    validate_seed,
+)
+
+T = TypeVar("T")
 
 _current: DistContext | None = None
 
@@ -124,6 +146,7 @@ class DistContext:
         self.seed: int | None = None if seed is None else seed + info.rank
         self._close = close
         self._sites: dict[str, Site] = {}
+        self._samplers: list[Any] = []
 
     @property
     def is_main(self) -> bool:
@@ -227,13 +250,139 @@ class DistContext:
         >>> DistContext.unwrap(layer) is layer
         True
         """
-        while True:
-            if isinstance(model, DistributedDataParallel):
-                model = model.module
-            elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
-                model = inner
-            else:
-                return model
+        return unwrap_model(model)
+
+    def dataloader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        shuffle: bool = False,
+        pad: bool = True,
+        **loader_kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A DataLoader over this rank's shard of ``dataset`` (see :mod:`ddpctx.data`).
+
+        The sampler is seeded with the base seed (the same on every rank, so
+        shards are disjoint); :meth:`epochs` advances it. ``pad=False`` gives
+        uneven shards without repeated samples (for exact evaluation).
+        Workers are seeded per (rank, worker, epoch); your ``worker_init_fn``
+        still runs after that.
+
+        >>> with distributed(seed=0) as ctx:
+        ...     loader = ctx.dataloader(list(range(10)), batch_size=4, shuffle=True)
+        ...     [len(batch) for batch in loader]
+        [4, 4, 2]
+        """
+        loader, sampler = make_dataloader(
+            dataset,
+            batch_size,
+            shuffle=shuffle,
+            pad=pad,
+            base_seed=self.base_seed or 0,
+            rank=self.rank,
+            world_size=self.world_size,
+            loader_kwargs=loader_kwargs,
+        )
+        self._samplers.append(sampler)
+        return loader
+
+    def epochs(self, n: int, start: int = 0) -> Iterator[int]:
+        """Epochs ``start .. n-1``; ``set_epoch`` on every loader before each, a barrier after.
+
+        >>> with distributed() as ctx:
+        ...     list(ctx.epochs(3, start=1))
+        [1, 2]
+        """
+        return epochs(n, start, self._samplers, self.barrier)
+
+    def progress(self, iterable: Iterable[T], **tqdm_kwargs: Any) -> Iterable[T]:
+        """``iterable`` with a tqdm bar on rank 0 (if tqdm is installed); as it is elsewhere."""
+        return bar_on_main(iterable, self.is_main, tqdm_kwargs)
+
+    def _place(self) -> Place:
+        return Place(self.rank, self.world_size, self.local_rank, self.node_rank)
+
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
+        """Rank 0 writes ``obj`` atomically (temporary file, fsync, rename); every rank waits.
+
+        A failed write raises on every rank (:class:`~ddpctx.RankZeroError` on the others).
+
+        >>> import tempfile, os
+        >>> with distributed() as ctx:
+        ...     ctx.save({"step": 1}, os.path.join(tempfile.mkdtemp(), "state.pt"))
+        """
+        on_rank_zero(self._place(), lambda: atomic_save(obj, Path(path)), broadcast=False)
+
+    def load(self, path: str | os.PathLike[str], weights_only: bool = True) -> Any:
+        """Load ``path`` on every rank, tensors mapped to :attr:`device`.
+
+        ``weights_only=True`` (the default) refuses pickled code; pass False
+        only for files you trust.
+        """
+        return load_file(Path(path), self.device, weights_only)
+
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        keep: int = 2,
+        **meta: Any,
+    ) -> Path:
+        """Save the training state and every rank's random state as a new numbered checkpoint.
+
+        Keeps the newest ``keep`` checkpoints; returns the new file's path on every rank.
+        ``meta`` (e.g. ``epoch=3``) comes back from :meth:`load_checkpoint`.
+        """
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(
+                f"keep={keep!r} must be a positive int (how many checkpoints to keep)."
+            )
+        rng_states = self.all_gather(rng_state())  # every rank's, collected on every rank
+        folder = Path(directory)
+
+        def write() -> Path:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = next_checkpoint_path(folder)
+            state = training_state(model, optimizer, scheduler, meta, self.world_size, rng_states)
+            atomic_save(state, path)
+            prune(folder, keep)
+            return path
+
+        _, path = on_rank_zero(self._place(), write, broadcast=True)
+        return Path(path)
+
+    def load_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> dict[str, Any] | None:
+        """Restore the newest complete checkpoint in ``directory``; return its meta, or None.
+
+        Restores the model, optimizer and scheduler, and this rank's random
+        state, so the run continues exactly as an uninterrupted one would.
+        Checkpoints that do not load are skipped with a warning. A checkpoint
+        from a different world size is an error (its random states are per rank).
+        """
+        folder = Path(directory)
+        _, chosen = on_rank_zero(self._place(), lambda: newest_checkpoint(folder), broadcast=True)
+        if chosen is None:
+            return None
+        state = load_file(Path(chosen), self.device, weights_only=True)
+        check_world_size(state, Path(chosen), self.world_size)
+        unwrap_model(model).load_state_dict(state["model"])
+        if optimizer is not None and state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"][self.rank])
+        meta: dict[str, Any] = dict(state["meta"])
+        return meta
 
     def print(
         self, *values: object, sep: str = " ", end: str = "\n", file: IO[str] | None = None

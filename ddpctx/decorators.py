@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ddpctx.collectives import OpSpec, Site, all_reduce_tree, check_op, report_failure
 from ddpctx.context import current
 from ddpctx.env import detect_launch
-from ddpctx.rankzero import Outcome, Place, share, zero_first
+from ddpctx.rankzero import Place, on_rank_zero, zero_first
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -133,17 +133,10 @@ def rank_zero_only(
             mine = place.is_zero(local)
             if not (barrier or broadcast):
                 return func(*args, **kwargs) if mine else default
-            if not mine:
-                outcome, source = share(None, place, local)
-                value = outcome.result(source)
-                return value if broadcast else default
-            try:
-                value = func(*args, **kwargs)
-            except Exception as error:
-                share(Outcome.failure(error), place, local)
-                raise
-            share(Outcome(True, value if broadcast else None), place, local)
-            return value
+            ran, value = on_rank_zero(
+                place, lambda: func(*args, **kwargs), broadcast=broadcast, local=local
+            )
+            return value if ran or broadcast else default
 
         return wrapper
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,26 @@ def share(outcome: Outcome | None, place: Place, local: bool) -> tuple[Outcome, 
         f"no rank on node {place.node_rank} has local rank 0, so nobody ran the function "
         "there. Check LOCAL_RANK / GROUP_RANK as set by the launcher."
     )
+
+
+def on_rank_zero(
+    place: Place, work: Callable[[], Any], *, broadcast: bool, local: bool = False
+) -> tuple[bool, Any]:
+    """Run ``work`` on (local) rank 0 while the others wait; returns ``(ran_here, value)``.
+
+    The others get rank 0's value when ``broadcast`` (else None), or raise
+    :class:`RankZeroError` if ``work`` raised there; rank 0 re-raises its own.
+    """
+    if not place.is_zero(local):
+        outcome, source = share(None, place, local)
+        return False, outcome.result(source)
+    try:
+        value = work()
+    except Exception as error:
+        share(Outcome.failure(error), place, local)
+        raise
+    share(Outcome(True, value if broadcast else None), place, local)
+    return True, value
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,3 +94,67 @@ def enable_deterministic() -> Callable[[], None]:
             os.environ.pop(_CUBLAS_VARIABLE, None)
 
     return restore
+
+
+def worker_seed(base: int, rank: int, worker: int, epoch: int) -> int:
+    """A seed for one DataLoader worker, distinct for every (rank, worker, epoch).
+
+    >>> worker_seed(0, 0, 0, 0) != worker_seed(0, 1, 0, 0) != worker_seed(0, 0, 1, 0)
+    True
+    """
+    words = np.random.SeedSequence([base, rank, worker, epoch]).generate_state(2)
+    return int(words[0]) << 32 | int(words[1])
+
+
+def seed_worker(seed: int) -> None:
+    """Seed a DataLoader worker's ``random``, NumPy and torch from one 64-bit seed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generator states, as tensors and numbers (loadable with weights_only=True).
+
+    >>> state = rng_state(); before = random.random()
+    >>> set_rng_state(state); random.random() == before
+    True
+    """
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+    cuda_ready = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return {
+        "python": {
+            "version": version,
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if cuda_ready else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["position"],
+            numpy["has_gauss"],
+            numpy["cached"],
+        )
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
