@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import faulthandler
@@ -319,6 +320,8 @@ class RankPool:
         self._processes: list[Any] = []
         sys.stdout.flush()
         sys.stderr.flush()
+        # Non-daemonic workers would be joined at interpreter exit; close them first.
+        atexit.register(self.close)
         try:
             for rank in range(world_size):
                 parent_end, child_end = context.Pipe()
@@ -326,7 +329,7 @@ class RankPool:
                     target=_worker,
                     args=(rank, world_size, child_end, self._directory, first),
                     name=f"ddpctx-rank{rank}",
-                    daemon=True,
+                    daemon=False,  # ranks may start DataLoader workers of their own
                 )
                 process.start()
                 child_end.close()
@@ -507,6 +510,7 @@ class RankPool:
             conn.close()
         self._conns, self._processes = [], []
         shutil.rmtree(self._directory, ignore_errors=True)
+        atexit.unregister(self.close)
 
 
 def launch(

@@ -1,0 +1,122 @@
+"""ctx.dataloader and ctx.epochs on real ranks: shards, shuffles, worker seeds."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from ddpctx import DistContext, distributed
+
+RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
+
+
+def epoch_indices(ctx: DistContext, loader: Any) -> list[int]:
+    return [int(i) for batch in loader for i in batch]
+
+
+@RANKS
+def test_unpadded_shards_cover_the_dataset_exactly_once_every_epoch(dist_ctx: DistContext) -> None:
+    loader = dist_ctx.dataloader(list(range(11)), batch_size=3, shuffle=True, pad=False)
+    orders = []
+    for _ in dist_ctx.epochs(3):
+        mine = epoch_indices(dist_ctx, loader)
+        everyone = dist_ctx.all_gather(mine)
+        assert sorted(i for shard in everyone for i in shard) == list(range(11))
+        assert max(map(len, everyone)) - min(map(len, everyone)) <= 1  # uneven, not padded
+        orders.append(mine)
+    assert orders[0] != orders[1]  # a new shuffle each epoch
+
+
+@RANKS
+def test_padded_shards_follow_torchs_padding_rule(dist_ctx: DistContext) -> None:
+    n, world = 11, dist_ctx.world_size
+    loader = dist_ctx.dataloader(list(range(n)), batch_size=4, shuffle=True)
+    for _ in dist_ctx.epochs(2):
+        everyone = dist_ctx.all_gather(epoch_indices(dist_ctx, loader))
+        per_rank = math.ceil(n / world)
+        assert [len(shard) for shard in everyone] == [per_rank] * world
+        flat = [i for shard in everyone for i in shard]
+        assert set(flat) == set(range(n))
+        assert len(flat) - n == per_rank * world - n  # the few repeated to even the shards
+
+
+@RANKS
+def test_the_order_is_the_same_for_the_same_seed(dist_ctx: DistContext) -> None:
+    first = dist_ctx.dataloader(list(range(20)), batch_size=5, shuffle=True, pad=False)
+    second = dist_ctx.dataloader(list(range(20)), batch_size=5, shuffle=True, pad=False)
+    for _ in dist_ctx.epochs(2):
+        assert epoch_indices(dist_ctx, first) == epoch_indices(dist_ctx, second)
+
+
+def test_a_different_seed_gives_a_different_order() -> None:
+    orders = []
+    for seed in (1, 2):
+        with distributed(seed=seed) as ctx:
+            loader = ctx.dataloader(list(range(50)), batch_size=50, shuffle=True)
+            orders.append(epoch_indices(ctx, loader))
+    assert orders[0] != orders[1]
+
+
+class Draws(Dataset[tuple[int, int, float, float, int]]):
+    """Each item reports its worker, three random draws made in the worker, and a flag."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[int, int, float, float, int]:
+        info = get_worker_info()
+        worker = info.id if info is not None else -1
+        flag = int(getattr(np, "user_init_ran", 0))
+        return worker, random.getrandbits(31), float(np.random.rand()), torch.rand(1).item(), flag
+
+
+def user_init(worker_id: int) -> None:
+    np.user_init_ran = 1  # type: ignore[attr-defined]
+
+
+@RANKS
+def test_workers_are_seeded_per_rank_worker_and_epoch_and_user_init_still_runs(
+    dist_ctx: DistContext,
+) -> None:
+    loader = dist_ctx.dataloader(
+        Draws(), batch_size=1, shuffle=False, pad=False, num_workers=2, worker_init_fn=user_init
+    )
+    firsts: dict[tuple[int, int, int], tuple[int, float, float]] = {}
+    for epoch in dist_ctx.epochs(2):
+        for worker, py, numpy_draw, torch_draw, flag in loader:
+            assert int(flag) == 1
+            key = (dist_ctx.rank, int(worker), epoch)
+            firsts.setdefault(key, (int(py), float(numpy_draw), float(torch_draw)))
+    everyone = {k: v for shard in dist_ctx.all_gather(firsts) for k, v in shard.items()}
+    assert len(everyone) == dist_ctx.world_size * 2 * 2  # ranks x workers x epochs
+    for position in range(3):  # python, numpy and torch draws all distinct
+        assert len({draws[position] for draws in everyone.values()}) == len(everyone)
+
+
+def test_dataloader_refuses_what_it_cannot_shard() -> None:
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(3))
+
+    with distributed() as ctx:
+        with pytest.raises(TypeError, match="IterableDataset must shard itself"):
+            ctx.dataloader(Stream(), batch_size=2)
+        with pytest.raises(ValueError, match=r"got sampler=\.\.\.; it makes its own"):
+            ctx.dataloader([1, 2], batch_size=1, sampler=[0, 1])
+        with pytest.raises(ValueError, match=r"batch_size=0 must be a positive int"):
+            ctx.dataloader([1, 2], batch_size=0)
+
+
+def test_epochs_validates_its_range() -> None:
+    with distributed() as ctx:
+        assert list(ctx.epochs(3, start=3)) == []
+        with pytest.raises(ValueError, match=r"start=4 is past n=3"):
+            list(ctx.epochs(3, start=4))
+        with pytest.raises(ValueError, match=r"n=-1 must be a non-negative int"):
+            list(ctx.epochs(-1))
