@@ -1,0 +1,219 @@
+"""A small, honest version of a Kronos-style fine-tuning loop on ddpctx.
+
+Next-step forecasting on generated OHLCV-like series: returns follow an AR(1)
+process (phi=0.6) plus noise, so about a third of each next return is
+predictable from the past and the rest is not; the "no change" forecast is
+the baseline. Everything is generated from the seed -- no download.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_forecaster.py --epochs 4
+    python examples/train_forecaster.py --epochs 4            # one process
+
+When ``--out`` already holds a checkpoint the run resumes from it, which is
+also what lets ``torchrun --max-restarts=1`` recover from a killed rank and end
+with exactly the weights of an uninterrupted run. ``<out>/summary.json`` holds
+the losses, the wall time and a sha256 of the final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ddpctx import DistContext, all_reduced, distributed, get_model_size, rank_zero_only
+
+PHI = 0.6  # AR(1) coefficient of the returns
+SIGMA = 0.01  # scale of the return shocks
+FEATURES = 5  # open, high, low, close (as log returns against the previous close), volume
+
+
+def make_series(seed: int, series: int, length: int) -> np.ndarray:
+    """``[series, length, 5]`` features of OHLCV-like bars with AR(1) returns."""
+    rng = np.random.default_rng(seed)
+    shocks = rng.normal(0.0, SIGMA, size=(series, length))
+    returns = np.zeros((series, length))
+    for t in range(1, length):
+        returns[:, t] = PHI * returns[:, t - 1] + shocks[:, t]
+    gap = rng.normal(0.0, SIGMA / 4, size=(series, length))  # open vs previous close
+    wick = np.abs(rng.normal(0.0, SIGMA / 2, size=(series, length, 2)))
+    open_ = gap
+    high = np.maximum(open_, returns) + wick[..., 0]
+    low = np.minimum(open_, returns) - wick[..., 1]
+    volume = rng.normal(0.0, 0.3, size=(series, length)) + 20 * np.abs(returns)
+    return np.stack([open_, high, low, returns, volume], axis=-1) / SIGMA
+
+
+def make_windows(bars: np.ndarray, window: int, start: int, stop: int) -> TensorDataset:
+    """Inputs: ``window`` bars; target: the next bar's close return (scaled)."""
+    inputs, targets = [], []
+    for t in range(max(start, window), stop - 1):
+        inputs.append(bars[:, t - window : t].reshape(bars.shape[0], -1))
+        targets.append(bars[:, t, 3])
+    x = torch.tensor(np.concatenate(inputs), dtype=torch.float32)
+    y = torch.tensor(np.concatenate(targets), dtype=torch.float32).unsqueeze(1)
+    return TensorDataset(x, y)
+
+
+class Forecaster(nn.Module):
+    def __init__(self, window: int, hidden: int = 64) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(window * FEATURES, hidden),
+            nn.GELU(),
+            nn.Dropout(0.1),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+@all_reduced(weight="count")
+def evaluate(ctx: DistContext, model: nn.Module, loader: Any) -> dict[str, Any]:
+    """Count-weighted mean squared error of the model and of the "no change" forecast."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    baseline_sum = torch.zeros((), dtype=torch.float64)
+    count = 0
+    with torch.no_grad():
+        for inputs, targets in loader:
+            predictions = model(inputs.to(ctx.device)).cpu()
+            loss_sum += ((predictions - targets) ** 2).sum().double()
+            baseline_sum += (targets**2).sum().double()
+            count += len(targets)
+    model.train()
+    denominator = max(count, 1)  # an empty shard contributes count 0, not a fake loss
+    return {"loss": loss_sum / denominator, "baseline": baseline_sum / denominator, "count": count}
+
+
+@rank_zero_only
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+@rank_zero_only
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def weights_sha256(model: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--series", type=int, default=16)
+    parser.add_argument("--length", type=int, default=1200)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+    parser.add_argument("--out", type=Path, default=Path("runs/forecaster"))
+    args = parser.parse_args()
+
+    started = time.monotonic()
+    with distributed(seed=args.seed, deterministic=True) as ctx:
+        args.out.mkdir(parents=True, exist_ok=True)
+        bars = make_series(args.seed, args.series, args.length)
+        split = int(0.8 * args.length)
+        train_set = make_windows(bars, args.window, 0, split)
+        val_set = make_windows(bars, args.window, split, args.length)
+        train = ctx.dataloader(
+            train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+        )
+        val = ctx.dataloader(
+            val_set, batch_size=1024, shuffle=False, pad=False, num_workers=args.workers
+        )
+
+        model = ctx.wrap(Forecaster(args.window))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=args.lr, total_steps=args.epochs * len(train)
+        )
+        checkpoints = args.out / "checkpoints"
+        meta = ctx.load_checkpoint(
+            checkpoints, model=model, optimizer=optimizer, scheduler=scheduler
+        )
+        if meta is not None and meta["epochs"] != args.epochs:
+            raise SystemExit(
+                f"{checkpoints} holds a run of --epochs {meta['epochs']}, and its learning-rate "
+                f"schedule spans exactly that many; resume with --epochs {meta['epochs']}, or "
+                "start a new run with another --out."
+            )
+        start = 0 if meta is None else meta["epoch"] + 1
+        best = float("inf") if meta is None else meta["best_val_loss"]
+        earlier_time = 0.0 if meta is None else meta["wall_time_s"]
+        if meta is not None:
+            log(
+                f"resuming from epoch {start} (checkpoint in {checkpoints}, "
+                f"best val loss so far {best:.4f})"
+            )
+        log(
+            f"{get_model_size(model)} parameters, {len(train_set)} train / {len(val_set)} val "
+            f"windows, {ctx.world_size} rank(s), {ctx.backend} on {ctx.device}"
+        )
+
+        metrics = {"baseline": float("nan")}
+        for epoch in ctx.epochs(args.epochs, start=start):
+            for inputs, targets in ctx.progress(train, desc=f"epoch {epoch}", leave=False):
+                loss = nn.functional.mse_loss(model(inputs.to(ctx.device)), targets.to(ctx.device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+                optimizer.step()
+                scheduler.step()
+            metrics = evaluate(ctx, model, val)
+            val_loss, baseline = float(metrics["loss"]), float(metrics["baseline"])
+            log(
+                f"epoch {epoch}: val loss {val_loss:.4f} (no-change baseline {baseline:.4f}, "
+                f"ratio {val_loss / baseline:.3f})"
+            )
+            if val_loss < best:
+                best = val_loss
+                ctx.save(ctx.unwrap(model).state_dict(), args.out / "best.pt")
+            ctx.save_checkpoint(
+                checkpoints,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                epoch=epoch,
+                epochs=args.epochs,
+                best_val_loss=best,
+                baseline_val_loss=baseline,
+                wall_time_s=earlier_time + time.monotonic() - started,
+            )
+
+        if meta is not None and start >= args.epochs:  # nothing left to train
+            metrics = evaluate(ctx, model, val)
+        summary = {
+            "best_val_loss": best,
+            "baseline_val_loss": float(metrics["baseline"]),
+            "epochs_completed": args.epochs,
+            "world_size": ctx.world_size,
+            "wall_time_s": round(earlier_time + time.monotonic() - started, 3),
+            "model_sha256": weights_sha256(ctx.unwrap(model)),
+            "resumed_from_epoch": start if meta is not None else None,
+        }
+        write_summary(args.out / "summary.json", summary)
+        log(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
