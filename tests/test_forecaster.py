@@ -115,3 +115,17 @@ def test_a_rank_killed_mid_run_resumes_to_the_same_weights(
     resumed = summary(tmp_path)
     assert resumed["resumed_from_epoch"] is not None
     assert resumed["model_sha256"] == uninterrupted["model_sha256"]
+
+
+def test_the_demo_runs_as_one_plain_python_process(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--epochs", "1", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary(tmp_path)["world_size"] == 1
+    assert "1 rank(s)" in result.stdout
