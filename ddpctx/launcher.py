@@ -9,6 +9,8 @@ This module is the one engine behind :func:`launch` and the pytest plugin
 - **Workers** are forked from the calling process (Linux, macOS with care):
   functions defined in ``__main__``, a REPL or a Jupyter cell need no
   pickling for :func:`launch`, and tests keep pytest's rewritten asserts.
+  Each rank runs torch with one intra-op thread, as torchrun's workers do:
+  the parent's OpenMP thread pool does not survive the fork.
   A :class:`RankPool` keeps its workers for many tasks; each task gets a
   fresh process group. If CUDA is already initialised in the caller, forking
   is unsafe and :func:`launch` refuses with an explanation.
@@ -164,6 +166,12 @@ def _worker(
     stacks = open(directory / f"rank{rank}.stack", "w")  # noqa: SIM115 -- worker lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # The parent's OpenMP thread pool does not survive fork: a forked rank that enters a
+        # parallel region deadlocks. One intra-op thread per rank (torchrun's default too)
+        # keeps torch from entering one.
+        torch.set_num_threads(1)
     task = first
     while True:
         if task is None:
@@ -234,7 +242,7 @@ def _run_task(rank: int, world_size: int, task: _Task) -> _Outcome:
     except BaseException as error:
         if _is_pytest_skip(error):
             return _Outcome(rank, "skip", error_text=str(error))
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        text = "".join(traceback.format_exception(type(error), error, _user_frames(error)))
         return _Outcome(
             rank,
             "error",
@@ -256,6 +264,19 @@ def _root_cause(outcomes: dict[int, _Outcome]) -> _Outcome | None:
     if not bad:
         return None
     return min(bad, key=lambda o: (is_follow_on(o.error_text), o.finished))
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def _user_frames(error: BaseException) -> Any:
+    """The exception's traceback without the leading frames of ddpctx's own machinery."""
+    frames = error.__traceback__
+    while frames is not None and frames.tb_next is not None:
+        if not str(Path(frames.tb_frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+            break
+        frames = frames.tb_next
+    return frames
 
 
 def _is_pytest_skip(error: BaseException) -> bool:

@@ -208,3 +208,15 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
     while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [pid for pid in ranks if Path(f"/proc/{pid}").exists()] == []
+
+
+def big_backward() -> int:
+    weights = torch.randn(512, 512, requires_grad=True)
+    (weights @ weights).sum().backward()
+    return torch.get_num_threads()
+
+
+def test_ranks_run_torch_even_after_the_caller_used_its_thread_pool() -> None:
+    matrix = torch.randn(512, 512)
+    (matrix @ matrix).sum()  # the caller's OpenMP pool is now running
+    assert launch(big_backward, world_size=2, timeout=60) == [1, 1]

@@ -86,11 +86,13 @@ def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_
         """,
     )
     result.assert_outcomes(failed=1)
+    result.stdout.no_fnmatch_line("*launcher.py*")  # no library frames in the report
     result.stdout.fnmatch_lines(
         [
             "*raised on rank 1 of 2*",
-            "E       assert 1 == 0",
-            "*AssertionError",
+            "*test_inner.py*, in test_fails",  # the rank's traceback starts at the test
+            "AssertionError: assert 1 == 0",
+            "E *assert 1 == 0",  # pytest's own rewritten message, original type
             "*Captured rank 0 stdout call*",
             "hello from rank 0",
             "*Captured rank 1 stdout call*",

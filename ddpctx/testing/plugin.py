@@ -194,6 +194,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker(MARKER)
     if marker is None:
         return None
+    __tracebackhide__ = True  # reports show the rank's traceback, not this hook's frame
     sizes, timeout = _options(marker)
     world_size = pyfuncitem.callspec.params[_WORLD_SIZE_PARAM] if isinstance(sizes, list) else sizes
     assert isinstance(world_size, int)
