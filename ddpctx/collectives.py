@@ -75,7 +75,13 @@ OpSpec = str | Mapping[str, str]
 
 
 class ReductionError(RuntimeError):
-    """Ranks could not reduce together: different structures, or another rank failed."""
+    """Ranks could not reduce together: different structures, or another rank failed.
+
+    Example (what every rank sees when rank 1 returned other keys)::
+
+        ReductionError: all_reduced(evaluate): ranks returned different structures, so they
+        cannot be reduced together: rank 1 lacks ['acc']; adds ['f1']. ...
+    """
 
 
 @dataclass

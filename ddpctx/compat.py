@@ -34,6 +34,9 @@ def setup_ddp() -> tuple[int, int, int]:
 
     Pair it with :func:`cleanup_ddp` in a ``finally``; new code should prefer
     ``with distributed() as ctx:``, which cannot forget the clean-up.
+
+    >>> rank, world_size, local_rank = setup_ddp()
+    >>> cleanup_ddp()
     """
     context = current()
     if context is None:
@@ -42,7 +45,10 @@ def setup_ddp() -> tuple[int, int, int]:
 
 
 def cleanup_ddp() -> None:
-    """Tear down what :func:`setup_ddp` started; a no-op when nothing is active."""
+    """Tear down what :func:`setup_ddp` started; a no-op when nothing is active.
+
+    >>> cleanup_ddp()  # nothing active: nothing to do
+    """
     context = current()
     if context is not None:
         context._close()

@@ -123,6 +123,11 @@ class DistContext:
         seed: this rank's effective seed (``seed + rank``) or None.
         is_main, is_local_main: rank 0 globally / on this node.
         restart_count: how often an elastic launcher restarted the job.
+
+    Example:
+        >>> with distributed() as ctx:
+        ...     (ctx.is_main, ctx.local_world_size, ctx.node_rank)
+        (True, 1, 0)
     """
 
     def __init__(
@@ -437,7 +442,14 @@ class _Plan:
 
 
 class DistributedSession:
-    """The context manager :func:`distributed` returns; ``__enter__`` yields the context."""
+    """The context manager :func:`distributed` returns; ``__enter__`` yields the context.
+
+    Example:
+        >>> session = distributed()
+        >>> with session as ctx:
+        ...     ctx.world_size
+        1
+    """
 
     def __init__(
         self,

@@ -74,6 +74,15 @@ class RankError(RuntimeError):
         remote_traceback: its formatted traceback, as the rank saw it.
         outputs: each rank's captured ``(stdout, stderr)``.
         secondary: ``(rank, text)`` of the errors other ranks raised afterwards.
+
+    Example:
+        >>> def fail():
+        ...     raise ValueError("bad shard")
+        >>> try:
+        ...     launch(fail, world_size=2)
+        ... except RankError as error:
+        ...     print(error.rank, type(error.original).__name__)
+        0 ValueError
     """
 
     def __init__(
@@ -99,7 +108,16 @@ class RankSkipped(RankError):
 
 
 class RankTimeoutError(RankError, TimeoutError):
-    """The ranks did not finish within the timeout; the message holds every rank's stack."""
+    """The ranks did not finish within the timeout; the message holds every rank's stack.
+
+    Example:
+        >>> import time
+        >>> try:
+        ...     launch(time.sleep, 30, world_size=2, timeout=1)
+        ... except RankTimeoutError as error:
+        ...     print(str(error).split(". ")[0])
+        ranks 0, 1 did not finish within 1 s (finished: none)
+    """
 
 
 class RemoteTraceback(Exception):

@@ -43,6 +43,11 @@ class RankZeroError(RuntimeError):
         error_type: the name of its exception class, e.g. ``"OSError"``.
         message: ``str()`` of its exception.
         remote_traceback: its formatted traceback.
+
+    Example:
+        >>> error = RankZeroError(0, "OSError", "disk full", "Traceback ...")
+        >>> str(error).splitlines()[0]
+        'rank 0 raised OSError: disk full'
     """
 
     def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str) -> None:

@@ -29,7 +29,10 @@ def _rank() -> int:
 
 
 def progress(iterable: Iterable[T], **tqdm_kwargs: Any) -> Iterable[T]:
-    """``iterable`` with a progress bar on rank 0 (tqdm), unchanged elsewhere."""
+    """``iterable`` with a progress bar on rank 0 (tqdm), unchanged elsewhere.
+
+    >>> total = sum(progress(range(4), disable=True))
+    """
     return bar_on_main(iterable, _rank() == 0, tqdm_kwargs)
 
 
