@@ -76,13 +76,15 @@ class RankError(RuntimeError):
         secondary: ``(rank, text)`` of the errors other ranks raised afterwards.
 
     Example:
+        >>> from ddpctx.context import current
         >>> def fail():
-        ...     raise ValueError("bad shard")
+        ...     if current().rank == 1:
+        ...         raise ValueError("bad shard")
         >>> try:
         ...     launch(fail, world_size=2)
         ... except RankError as error:
         ...     print(error.rank, type(error.original).__name__)
-        0 ValueError
+        1 ValueError
     """
 
     def __init__(
