@@ -12,3 +12,9 @@ if [ "$gpus" -lt 1 ]; then echo "no GPU visible" >&2; exit 1; fi
 # (two ranks on one GPU are not allowed by NCCL, so a 1-GPU box runs one rank).
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
   python -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/gpu_check.py
+
+# Then the benchmark suite on NCCL, one rank per GPU (at least 2 GPUs needed).
+if [ "$gpus" -ge 2 ]; then
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 600 \
+    python benchmarks/run.py --quick --world-size "$gpus"
+fi

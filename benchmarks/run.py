@@ -1,0 +1,450 @@
+"""ddpctx next to what users would otherwise pick, in one run, as ratios.
+
+Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
+
+1. Metric reduction: dicts of 1, 8, 32, 128 scalar metrics and one 1M-element
+   tensor -- one raw all_reduce (the floor), @all_reduced, a per-metric loop,
+   Lightning Fabric's all_reduce on the dict, Accelerate's reduce
+   (PartialState(cpu=True)), Ignite's idist.all_reduce per metric.
+2. Training step: the same small DDP model and data, a hand-written loop vs
+   ctx.wrap / ctx.dataloader / @all_reduced per step.
+3. Start-up and teardown: `with distributed()` vs init_process_group +
+   destroy_process_group, one process and 2 ranks (under torchrun).
+4. Import cost: `import ddpctx` (with its torch-using modules) vs `import torch`.
+5. Test harness: per-test cost through the plugin's warm pool vs fresh
+   processes per test (benchmarks/bench_harness.py).
+6. Scaling: the 32-metric reduction at 2, 4 and 8 ranks (oversubscribed on 2 cores).
+
+Contenders are interleaved round by round so machine noise hits each alike;
+the tables show medians and ratios. Anchors that are not installed (extra
+`bench`) are reported as missing; the rest still runs. `--write` regenerates
+BENCHMARKS.md and benchmarks/reduction.png from this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+Samples = dict[str, dict[str, list[float]]]
+
+
+def _anchors() -> dict[str, Callable[[dict[str, torch.Tensor]], object] | str]:
+    """Each anchor's reduction of a metrics dict, or why it is missing."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # read by their launch detection only
+    os.environ.setdefault("MASTER_PORT", "29400")
+    found: dict[str, Callable[[dict[str, torch.Tensor]], object] | str] = {}
+    try:
+        from lightning_fabric import Fabric
+
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        fabric = Fabric(accelerator=accelerator, strategy="ddp", devices=dist.get_world_size())
+        fabric.launch()  # adopts the existing process group
+        found["Fabric all_reduce(dict)"] = lambda m: fabric.all_reduce(m, reduce_op="mean")
+    except ImportError:
+        found["Fabric all_reduce(dict)"] = "not installed (pip install lightning-fabric)"
+    try:
+        from accelerate import PartialState
+        from accelerate.utils import reduce
+
+        PartialState(cpu=not torch.cuda.is_available())
+        found["Accelerate reduce(dict)"] = lambda m: reduce(m, reduction="mean")
+    except ImportError:
+        found["Accelerate reduce(dict)"] = "not installed (pip install accelerate)"
+    try:
+        import ignite.distributed as idist
+
+        def ignite(m: dict[str, torch.Tensor]) -> object:
+            return {k: idist.all_reduce(v.clone()) for k, v in m.items()}
+
+        found["Ignite all_reduce per metric"] = ignite
+    except ImportError:
+        found["Ignite all_reduce per metric"] = "not installed (pip install pytorch-ignite)"
+    return found
+
+
+def reduction_rank(sizes: list[str], rounds: int, calls: int, anchors: bool) -> Samples:
+    """Runs on every rank (inside distributed()); per-call seconds per round, per contender."""
+    import torch.distributed as dist
+
+    from ddpctx import all_reduced, current
+
+    ctx = current()
+    assert ctx is not None
+    contenders_by_size: dict[str, dict[str, Callable[[], object]]] = {}
+    extra = _anchors() if anchors else {}
+    for size in sizes:
+        if size == "1M tensor":
+            metrics = {"big": torch.randn(1_000_000, device=ctx.device)}
+        else:
+            metrics = {
+                f"m{i}": torch.tensor(float(i + ctx.rank), device=ctx.device)
+                for i in range(int(size))
+            }
+
+        def floor(m: dict[str, torch.Tensor] = metrics) -> None:
+            flat = torch.cat([v.reshape(-1) for v in m.values()])
+            dist.all_reduce(flat)
+
+        def loop(m: dict[str, torch.Tensor] = metrics) -> None:
+            for value in m.values():
+                dist.all_reduce(value.clone())
+
+        contenders: dict[str, Callable[[], object]] = {
+            "raw all_reduce, one buffer (floor)": floor,
+            "ddpctx @all_reduced": all_reduced(lambda m=metrics: m),
+            "all_reduce per metric (loop)": loop,
+        }
+        for name, anchor in extra.items():
+            if callable(anchor):
+                contenders[name] = lambda m=metrics, a=anchor: a(m)
+        contenders_by_size[size] = contenders
+    samples: Samples = {size: {name: [] for name in c} for size, c in contenders_by_size.items()}
+    for size, contenders in contenders_by_size.items():
+        for fn in contenders.values():  # warm-up: buffers sized, connections hot
+            for _ in range(3):
+                fn()
+        repeat = calls if size != "1M tensor" else max(2, calls // 10)
+        for _ in range(rounds):
+            for name, fn in contenders.items():
+                ctx.barrier()
+                started = time.perf_counter()
+                for _ in range(repeat):
+                    fn()
+                samples[size][name].append((time.perf_counter() - started) / repeat)
+    missing = {name: reason for name, reason in extra.items() if isinstance(reason, str)}
+    samples["_missing"] = {name: [] for name in missing}
+    return samples
+
+
+def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per training step: a hand-written DDP loop vs the same loop through ddpctx."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from ddpctx import all_reduced, current
+
+    ctx = current()
+    assert ctx is not None
+    data = TensorDataset(torch.randn(8192, 32), torch.randn(8192, 1))
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 1))
+
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    hand_model = DistributedDataParallel(net().to(ctx.device), device_ids=device_ids)
+    hand_sampler = DistributedSampler(data, shuffle=True, seed=0)
+    hand_loader = DataLoader(data, batch_size=64, sampler=hand_sampler)
+    ours_model = ctx.wrap(net())
+    ours_loader = ctx.dataloader(data, batch_size=64, shuffle=True)
+    optimizers = {
+        "hand": torch.optim.SGD(hand_model.parameters(), lr=0.01),
+        "ddpctx": torch.optim.SGD(ours_model.parameters(), lr=0.01),
+    }
+
+    @all_reduced
+    def step_loss(loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def hand_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        loss = nn.functional.mse_loss(hand_model(x), y)
+        optimizers["hand"].zero_grad()
+        loss.backward()
+        optimizers["hand"].step()
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        reduced /= dist.get_world_size()
+
+    def ours_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        loss = nn.functional.mse_loss(ours_model(x), y)
+        optimizers["ddpctx"].zero_grad()
+        loss.backward()
+        optimizers["ddpctx"].step()
+        step_loss(loss.detach())
+
+    times: dict[str, list[float]] = {"hand-written loop": [], "ddpctx loop": []}
+    for round_index in range(rounds):
+        hand_sampler.set_epoch(round_index)
+        epochs = ctx.epochs(round_index + 1, start=round_index)
+        next(epochs)  # set_epoch on ddpctx's loader
+        for name, loader, step in (
+            ("hand-written loop", hand_loader, hand_step),
+            ("ddpctx loop", ours_loader, ours_step),
+        ):
+            ctx.barrier()
+            batches = iter(loader)
+            started = time.perf_counter()
+            for _ in range(steps):
+                step(*next(batches))
+            times[name].append((time.perf_counter() - started) / steps)
+    return times
+
+
+def _fresh_interpreter_seconds(code: str, rounds: int) -> list[float]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+        runs.append(time.perf_counter() - started)
+    return runs
+
+
+def import_cost(rounds: int) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {"import torch": [], "import ddpctx (+ distributed)": []}
+    for _ in range(rounds):  # interleaved
+        results["import torch"] += _fresh_interpreter_seconds("import torch", 1)
+        results["import ddpctx (+ distributed)"] += _fresh_interpreter_seconds(
+            "import ddpctx; ddpctx.distributed", 1
+        )
+    return results
+
+
+def startup_single(rounds: int) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
+    from ddpctx import distributed
+    from ddpctx.group import loopback_gloo
+
+    results: dict[str, list[float]] = {"raw init + destroy": [], "with distributed()": []}
+    for _ in range(rounds):
+        started = time.perf_counter()
+        with loopback_gloo():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        dist.destroy_process_group()
+        results["raw init + destroy"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        with distributed():
+            pass
+        results["with distributed()"].append(time.perf_counter() - started)
+    return results
+
+
+def startup_torchrun(world_size: int, rounds: int) -> dict[str, float]:
+    """Runs benchmarks/startup.py under torchrun; returns rank 0's medians."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        str(HERE / "startup.py"),
+        str(rounds),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    output = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=300, check=True
+    )
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^MEDIAN (.+?)=([0-9.e-]+)$", output.stdout, re.M)
+    }
+
+
+def harness(tests: int, spawned: int) -> str:
+    command = [
+        sys.executable,
+        str(HERE / "bench_harness.py"),
+        "--tests",
+        str(tests),
+        "--spawned",
+        str(spawned),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, check=True, timeout=600
+    ).stdout.strip()
+
+
+def cell(values: list[float], floor: list[float]) -> str:
+    """``median ms (median of paired ratios)`` for one contender against the floor."""
+    ratio = statistics.median(v / f for v, f in zip(values, floor, strict=True))
+    return f"{statistics.median(values) * 1e3:.3f} ms ({ratio:.2f}x)"
+
+
+def format_reduction(per_size: Samples) -> list[str]:
+    lines = []
+    sizes = [s for s in per_size if not s.startswith("_")]
+    names = list(per_size[sizes[0]])
+    header = (
+        "| contender | "
+        + " | ".join(
+            f"{s} metric{'s' if s != '1' else ''}" if s != "1M tensor" else s for s in sizes
+        )
+        + " |"
+    )
+    lines += [header, "|---|" + "---:|" * len(sizes)]
+    floor = "raw all_reduce, one buffer (floor)"
+    for name in names:
+        cells = [cell(per_size[size][name], per_size[size][floor]) for size in sizes]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name in per_size.get("_missing", {}):
+        lines.append(f"| {name} | " + " | ".join("missing" for _ in sizes) + " |")
+    return lines
+
+
+def plot(per_size: Samples, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = [s for s in per_size if s.isdigit()]
+    floor = "raw all_reduce, one buffer (floor)"
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name in per_size[counts[0]]:
+        ratios = [
+            statistics.median(
+                v / f for v, f in zip(per_size[c][name], per_size[c][floor], strict=True)
+            )
+            for c in counts
+        ]
+        axis.plot([int(c) for c in counts], ratios, marker="o", label=name)
+    axis.set(
+        xscale="log",
+        yscale="log",
+        xlabel="scalar metrics per reduction",
+        ylabel="time / one raw all_reduce",
+        title="Reducing a metrics dict, 2 ranks, gloo (CPU)",
+    )
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and sizes (< 3 min)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help="regenerate BENCHMARKS.md")
+    args = parser.parse_args()
+
+    from ddpctx import launch
+
+    quick = args.quick
+    sizes = ["1", "32", "128", "1M tensor"] if quick else ["1", "8", "32", "128", "1M tensor"]
+    rounds, calls = (8, 20) if quick else (25, 40)
+    started = time.perf_counter()
+    report: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        report.append(line)
+
+    say(
+        f"## Machine\n\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, gloo on CPU; "
+        f"{'quick' if quick else 'full'} run, {rounds} rounds.\n"
+    )
+
+    say(
+        "## 1. Metric reduction\n\nMedian per call; in brackets the median of the per-round "
+        "ratios to the floor.\n"
+    )
+    per_size = launch(
+        reduction_rank, sizes, rounds, calls, True, world_size=args.world_size, timeout=900
+    )[0]
+    for line in format_reduction(per_size):
+        say(line)
+
+    say("\n## 2. Training step overhead (median seconds per step)\n")
+    training = launch(
+        training_rank, rounds, 20 if quick else 40, world_size=args.world_size, timeout=900
+    )[0]
+    hand, ours = (statistics.median(training[k]) for k in ("hand-written loop", "ddpctx loop"))
+    paired = statistics.median(
+        o / h for o, h in zip(training["ddpctx loop"], training["hand-written loop"], strict=True)
+    )
+    say(
+        f"| hand-written loop | {hand * 1e3:.3f} ms |\n|---|---:|\n"
+        f"| ddpctx loop | {ours * 1e3:.3f} ms |"
+    )
+    say(
+        f"\nddpctx / hand-written: {ours / hand:.3f}x "
+        f"(paired per round: {paired:.3f}x; target <= 1.05x)"
+    )
+
+    say("\n## 3. Start-up and teardown (median)\n")
+    single = startup_single(10 if quick else 30)
+    ranks = startup_torchrun(args.world_size, 5 if quick else 15)
+    say("| | raw init + destroy | with distributed() | ratio |\n|---|---:|---:|---:|")
+    single_raw, single_ours = (
+        statistics.median(single[k]) for k in ("raw init + destroy", "with distributed()")
+    )
+    say(
+        f"| 1 process | {single_raw * 1e3:.1f} ms | {single_ours * 1e3:.1f} ms "
+        f"| {single_ours / single_raw:.2f}x |"
+    )
+    say(
+        f"| {args.world_size} ranks (torchrun) | {ranks['raw'] * 1e3:.1f} ms "
+        f"| {ranks['ddpctx'] * 1e3:.1f} ms | "
+        f"{ranks['ddpctx'] / ranks['raw']:.2f}x |"
+    )
+
+    say("\n## 4. Import cost (fresh interpreters, median)\n")
+    imports = import_cost(3 if quick else 7)
+    torch_import, ours_import = (statistics.median(imports[k]) for k in imports)
+    say(
+        f"`import torch` {torch_import:.2f} s; `import ddpctx; ddpctx.distributed` "
+        f"{ours_import:.2f} s: {ours_import / torch_import:.2f}x (target <= 1.15x). "
+        "`import ddpctx` alone does not import torch."
+    )
+
+    say("\n## 5. Test harness\n")
+    say("```\n" + harness(30 if quick else 100, 3 if quick else 8) + "\n```")
+    say(
+        "torch's MultiProcessTestCase needs `expecttest` and torch's internal test "
+        "package, which the CPU wheel here does not ship: not measured."
+    )
+
+    say(f"\n## 6. Scaling: 32 metrics at more ranks (oversubscribed: {os.cpu_count()} cores)\n")
+    say("| ranks | floor | ddpctx @all_reduced | per-metric loop |\n|---:|---:|---:|---:|")
+    for world in [2, 4] if quick else [2, 4, 8]:
+        scaled = launch(
+            reduction_rank,
+            ["32"],
+            max(4, rounds // 2),
+            calls // 2,
+            False,
+            world_size=world,
+            timeout=900,
+        )[0]["32"]
+        floor = scaled["raw all_reduce, one buffer (floor)"]
+        cells = [
+            cell(scaled[k], floor)
+            for k in (
+                "raw all_reduce, one buffer (floor)",
+                "ddpctx @all_reduced",
+                "all_reduce per metric (loop)",
+            )
+        ]
+        say(f"| {world} | " + " | ".join(cells) + " |")
+
+    say(f"\nTotal benchmark time: {time.perf_counter() - started:.0f} s.")
+    if args.write:
+        plot(per_size, HERE / "reduction.png")
+        template = (HERE / "BENCHMARKS.template.md").read_text()
+        (REPO / "BENCHMARKS.md").write_text(template.replace("{{RESULTS}}", "\n".join(report)))
+        print("wrote BENCHMARKS.md and benchmarks/reduction.png")
+
+
+if __name__ == "__main__":
+    main()
