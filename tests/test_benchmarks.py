@@ -16,7 +16,8 @@ from tests.helpers import REPO
 
 def load_runner() -> ModuleType:
     spec = importlib.util.spec_from_file_location("bench_run", REPO / "benchmarks" / "run.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_run"] = module
     spec.loader.exec_module(module)
