@@ -1,0 +1,144 @@
+"""Injected faults: a writer killed mid-save, signals to a torchrun job, long-run leaks."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpctx import distributed
+from ddpctx.checkpoint import atomic_save, checkpoint_paths
+from ddpctx.launcher import RankPool
+from tests.helpers import REPO, child_env
+
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    writer = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "slow_save.py"), str(tmp_path)], cwd=REPO, env=child_env()
+    )
+    try:
+        wait_for(tmp_path / "writing")
+        writer.kill()
+        writer.wait(30)
+    finally:
+        writer.kill()
+    assert [p.name for p in checkpoint_paths(tmp_path)] == ["checkpoint-000001.pt"]
+    leftovers = list(tmp_path.glob(".checkpoint-*.tmp"))
+    assert leftovers, "the killed writer's temporary file should still be there"
+    with distributed() as ctx:
+        assert ctx.load_checkpoint(tmp_path, model=torch.nn.Linear(4, 1)) == {"epoch": 1}
+    atomic_save({"x": 1}, tmp_path / "checkpoint-000002.pt")  # the next save of that name
+    assert not any(p.exists() for p in leftovers)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_a_torchrun_job_ends_every_rank(tmp_path: Path, signum: int) -> None:
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--monitor-interval=0.2",
+            str(SCRIPTS / "wait_forever.py"),
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for rank in range(2):
+            wait_for(tmp_path / f"ready{rank}")
+        workers = [
+            int(p)
+            for p in subprocess.run(
+                ["pgrep", "-P", str(job.pid)], capture_output=True, text=True
+            ).stdout.split()
+        ]
+        assert len(workers) == 2
+        started = time.monotonic()
+        job.send_signal(signum)
+        job.communicate(timeout=60)
+        elapsed = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0  # the exit status says the job was stopped
+    assert elapsed < 40
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.slow
+def test_200_enter_exit_cycles_leak_no_fds_threads_or_memory() -> None:
+    with distributed():
+        pass  # warm: the first cycle loads what every later one reuses
+    fds, threads, rss = open_fds(), threading.active_count(), rss_mb()
+    for _ in range(200):
+        with distributed(seed=1):
+            pass
+    assert open_fds() - fds <= 3
+    assert threading.active_count() - threads <= 1
+    assert rss_mb() - rss < 50
+
+
+def ping() -> int:
+    import torch.distributed as dist
+
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return len(os.listdir("/proc/self/fd"))
+
+
+def worker_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.slow
+def test_300_tasks_through_one_pool_leak_no_fds_or_memory() -> None:
+    with RankPool(2) as pool:
+        first = pool.run(ping)
+        rss = [worker_rss_mb(pid) for pid in pool.pids()]
+        for _ in range(300):
+            last = pool.run(ping)
+        grown = [worker_rss_mb(pid) - before for pid, before in zip(pool.pids(), rss, strict=True)]
+    assert all(a - b <= 3 for a, b in zip(last, first, strict=True)), (first, last)
+    assert max(grown) < 50, grown
