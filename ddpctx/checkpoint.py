@@ -106,7 +106,7 @@ def load_file(path: Path, device: torch.device | str, weights_only: bool) -> Any
     try:
         return torch.load(path, map_location=device, weights_only=weights_only)
     except Exception as error:
-        if weights_only and "weights_only" in str(error):
+        if weights_only and "GLOBAL" in str(error):  # a pickled callable or class, refused
             raise RuntimeError(
                 f"{str(path)!r} holds pickled objects that weights_only=True refuses to run "
                 f"({type(error).__name__}). Load it with weights_only=False only if you trust "

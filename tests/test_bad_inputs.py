@@ -1,0 +1,457 @@
+"""Bad inputs, table-driven: each gets a clear error naming the value and the fix, within a second,
+with no process group, context or process left behind (the conftest checks the first two).
+
+The same rows are published in docs/bad-inputs.md; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from ddpctx import (
+    all_reduced,
+    distributed,
+    launch,
+    reduce_tensor,
+    set_seed,
+)
+from ddpctx.checkpoint import atomic_save, training_state
+from tests.helpers import REPO
+
+TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+SLURM = {
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NODELIST": "node[01-02]",
+    "SLURM_JOB_ID": "77",
+}
+
+
+@dataclass
+class Row:
+    area: str
+    given: str
+    error: type[BaseException]
+    says: str  # a fragment of the message: the value, and the fix
+    call: Callable[[Path], Any]
+    environ: dict[str, str] = field(default_factory=dict)
+
+
+def enter(**kwargs: Any) -> Callable[[Path], Any]:
+    def run(_: Path) -> None:
+        with distributed(**kwargs):
+            pass
+
+    return run
+
+
+def reduce_in_group(result: Any, **options: Any) -> Callable[[Path], Any]:
+    def run(_: Path) -> None:
+        with distributed():
+            all_reduced(**options)(lambda: result)()
+
+    return run
+
+
+def nested(_: Path) -> None:
+    with distributed(), distributed():
+        pass
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter([1])
+
+
+def in_context(action: Callable[[Any, Path], Any]) -> Callable[[Path], Any]:
+    def run(tmp: Path) -> None:
+        with distributed() as ctx:
+            action(ctx, tmp)
+
+    return run
+
+
+def other_world_size(ctx: Any, tmp: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    atomic_save(training_state(model, None, None, {}, 4, [{}] * 4), tmp / "checkpoint-000001.pt")
+    ctx.load_checkpoint(tmp, model=model)
+
+
+def pickled_code(ctx: Any, tmp: Path) -> None:
+    torch.save({"hook": os.system}, tmp / "evil.pt")
+    ctx.load(tmp / "evil.pt")
+
+
+def not_a_torch_file(ctx: Any, tmp: Path) -> None:
+    (tmp / "notes.pt").write_text("not a checkpoint")
+    ctx.load(tmp / "notes.pt")
+
+
+ROWS = [
+    Row(
+        "torchrun env",
+        "RANK=0 without WORLD_SIZE",
+        ValueError,
+        "RANK='0' is set but WORLD_SIZE is not",
+        enter(),
+        {"RANK": "0"},
+    ),
+    Row(
+        "torchrun env",
+        "WORLD_SIZE=2 without RANK",
+        ValueError,
+        "WORLD_SIZE='2' is set but RANK is not",
+        enter(),
+        {"WORLD_SIZE": "2"},
+    ),
+    Row(
+        "torchrun env",
+        "RANK=one",
+        ValueError,
+        "RANK='one' is not an integer",
+        enter(),
+        {**TORCHRUN, "RANK": "one"},
+    ),
+    Row(
+        "torchrun env",
+        "RANK=-1",
+        ValueError,
+        "RANK='-1' must be >= 0",
+        enter(),
+        {**TORCHRUN, "RANK": "-1"},
+    ),
+    Row(
+        "torchrun env",
+        "RANK=2, WORLD_SIZE=2",
+        ValueError,
+        "RANK=2 is not below WORLD_SIZE=2",
+        enter(),
+        {**TORCHRUN, "RANK": "2"},
+    ),
+    Row(
+        "torchrun env",
+        "LOCAL_RANK=2, LOCAL_WORLD_SIZE=2",
+        ValueError,
+        "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2",
+        enter(),
+        {**TORCHRUN, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+    ),
+    Row(
+        "torchrun env",
+        "LOCAL_WORLD_SIZE=4 > WORLD_SIZE=2",
+        ValueError,
+        "LOCAL_WORLD_SIZE=4 exceeds WORLD_SIZE=2",
+        enter(),
+        {**TORCHRUN, "LOCAL_WORLD_SIZE": "4"},
+    ),
+    Row(
+        "torchrun env",
+        "MASTER_ADDR missing with WORLD_SIZE=2",
+        ValueError,
+        "MASTER_ADDR is not set but WORLD_SIZE=2",
+        enter(),
+        {k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"},
+    ),
+    Row(
+        "torchrun env",
+        "MASTER_PORT=70000",
+        ValueError,
+        "MASTER_PORT='70000' is not a TCP port",
+        enter(),
+        {**TORCHRUN, "MASTER_PORT": "70000"},
+    ),
+    Row(
+        "environment",
+        "DDPCTX_TIMEOUT=soon",
+        ValueError,
+        "DDPCTX_TIMEOUT='soon' is not a number of seconds",
+        enter(),
+        {"DDPCTX_TIMEOUT": "soon"},
+    ),
+    Row(
+        "SLURM env",
+        "SLURM_PROCID=2 of SLURM_NTASKS=2",
+        ValueError,
+        "SLURM_PROCID=2 is not below SLURM_NTASKS=2",
+        enter(),
+        {**SLURM, "SLURM_PROCID": "2"},
+    ),
+    Row(
+        "SLURM env",
+        "SLURM_STEP_TASKS_PER_NODE='2 x1'",
+        ValueError,
+        "SLURM_STEP_TASKS_PER_NODE='2 x1' is not a SLURM tasks-per-node list",
+        enter(),
+        {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2 x1"},
+    ),
+    Row(
+        "SLURM env",
+        "SLURM_JOB_NODELIST='node[01-'",
+        ValueError,
+        "SLURM_JOB_NODELIST='node[01-' is not a SLURM host list",
+        enter(),
+        {**SLURM, "SLURM_JOB_NODELIST": "node[01-"},
+    ),
+    Row(
+        "SLURM env",
+        "no SLURM_JOB_NODELIST and no MASTER_ADDR",
+        ValueError,
+        "Neither MASTER_ADDR nor SLURM_JOB_NODELIST is set",
+        enter(),
+        {k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"},
+    ),
+    Row(
+        "SLURM env",
+        "no SLURM_JOB_ID and no MASTER_PORT",
+        ValueError,
+        "Neither MASTER_PORT nor SLURM_JOB_ID is set",
+        enter(),
+        {k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"},
+    ),
+    Row(
+        "Open MPI env",
+        "OMPI_COMM_WORLD_RANK without OMPI_COMM_WORLD_SIZE",
+        ValueError,
+        "OMPI_COMM_WORLD_RANK='0' is set but OMPI_COMM_WORLD_SIZE is not",
+        enter(),
+        {"OMPI_COMM_WORLD_RANK": "0"},
+    ),
+    Row(
+        "Open MPI env",
+        "MASTER_ADDR missing with OMPI_COMM_WORLD_SIZE=2",
+        ValueError,
+        "MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE=2",
+        enter(),
+        {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"},
+    ),
+    Row(
+        "distributed()", "seed='42'", ValueError, "seed='42' (str) is not an int", enter(seed="42")
+    ),
+    Row(
+        "distributed()", "seed=True", ValueError, "seed=True (bool) is not an int", enter(seed=True)
+    ),
+    Row("distributed()", "seed=-1", ValueError, "seed=-1 gives rank seeds -1..-1", enter(seed=-1)),
+    Row(
+        "distributed()",
+        "backend='nccl' without CUDA",
+        RuntimeError,
+        "backend='nccl' needs CUDA",
+        enter(backend="nccl"),
+    ),
+    Row(
+        "distributed()",
+        "backend='tcp'",
+        ValueError,
+        "backend='tcp' is not a known backend",
+        enter(backend="tcp"),
+    ),
+    Row("distributed()", "timeout=0", ValueError, "timeout=0 must be positive", enter(timeout=0)),
+    Row(
+        "distributed()",
+        "distributed() inside distributed()",
+        RuntimeError,
+        "distributed() is already active in this process",
+        nested,
+    ),
+    Row(
+        "@all_reduced",
+        "a string leaf",
+        TypeError,
+        "['tag'] is str 'best'",
+        reduce_in_group({"loss": 1.0, "tag": "best"}),
+    ),
+    Row(
+        "@all_reduced",
+        "a None leaf",
+        TypeError,
+        "['acc'] is NoneType None",
+        reduce_in_group({"loss": 1.0, "acc": None}),
+    ),
+    Row(
+        "@all_reduced",
+        "a complex tensor",
+        TypeError,
+        "['z'] is Tensor",
+        reduce_in_group({"z": torch.tensor(1j)}),
+    ),
+    Row(
+        "@all_reduced",
+        "op naming a missing key",
+        ValueError,
+        "names ['los'], which the result",
+        reduce_in_group({"loss": 1.0}, op={"los": "max"}),
+    ),
+    Row(
+        "@all_reduced",
+        "op='avg'",
+        ValueError,
+        "'avg' is not a reduction",
+        lambda _: all_reduced(op="avg"),
+    ),
+    Row(
+        "@all_reduced",
+        "weight='count' but no count",
+        ValueError,
+        "weight='count' but ['loss'] has no 'count' leaf",
+        reduce_in_group({"loss": 1.0}, weight="count"),
+    ),
+    Row(
+        "@all_reduced",
+        "a count that is a list",
+        ValueError,
+        "the weight 'count' must be one number",
+        reduce_in_group({"l": 1.0, "count": [1, 2]}, weight="count"),
+    ),
+    Row(
+        "checkpoint",
+        "save to a missing directory",
+        FileNotFoundError,
+        "does not exist. Create it first",
+        in_context(lambda c, t: c.save({}, t / "none" / "x.pt")),
+    ),
+    Row(
+        "checkpoint",
+        "load a missing file",
+        FileNotFoundError,
+        "does not exist. Check the path",
+        in_context(lambda c, t: c.load(t / "missing.pt")),
+    ),
+    Row(
+        "checkpoint",
+        "load a file that is not a torch file",
+        RuntimeError,
+        "could not be loaded as a torch file",
+        in_context(not_a_torch_file),
+    ),
+    Row(
+        "checkpoint",
+        "load a file carrying pickled code",
+        RuntimeError,
+        "weights_only=True refuses to run",
+        in_context(pickled_code),
+    ),
+    Row(
+        "checkpoint",
+        "a checkpoint from world size 4 in a run of 1",
+        ValueError,
+        "written by a run of world size 4, and this run has world size 1",
+        in_context(other_world_size),
+    ),
+    Row(
+        "checkpoint",
+        "keep=0",
+        ValueError,
+        "keep=0 must be a positive int",
+        in_context(lambda c, t: c.save_checkpoint(t, model=torch.nn.Linear(1, 1), keep=0)),
+    ),
+    Row(
+        "data",
+        "an IterableDataset",
+        TypeError,
+        "an IterableDataset must shard itself",
+        in_context(lambda c, t: c.dataloader(Stream(), batch_size=1)),
+    ),
+    Row(
+        "data",
+        "sampler=... passed to ctx.dataloader",
+        ValueError,
+        "got sampler=...; it makes its own",
+        in_context(lambda c, t: c.dataloader([1], 1, sampler=[0])),
+    ),
+    Row(
+        "data",
+        "epochs(3, start=4)",
+        ValueError,
+        "start=4 is past n=3",
+        in_context(lambda c, t: list(c.epochs(3, start=4))),
+    ),
+    Row(
+        "launch()",
+        "world_size=0",
+        ValueError,
+        "world_size=0 must be a positive int",
+        lambda _: launch(print, world_size=0),
+    ),
+    Row(
+        "Kronos helpers",
+        "reduce_tensor(op='average')",
+        ValueError,
+        "'average' is not a reduction",
+        lambda _: reduce_tensor(torch.ones(1), op="average"),
+    ),
+    Row(
+        "Kronos helpers",
+        "reduce_tensor(world_size=4) in a world of 1",
+        ValueError,
+        "world_size=4 but the process group has 1 ranks",
+        lambda _: reduce_tensor(torch.ones(1), 4),
+    ),
+    Row(
+        "Kronos helpers",
+        "set_seed(None)",
+        ValueError,
+        "set_seed() needs an int",
+        lambda _: set_seed(None),
+    ),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"{r.area}: {r.given}" for r in ROWS])
+def test_bad_input_gets_a_clear_error_quickly(
+    row: Row, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in row.environ.items():
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    with pytest.raises(row.error, match=re.escape(row.says)):
+        row.call(tmp_path)
+    assert time.monotonic() - started < 1.0
+
+
+def test_there_are_at_least_30_rows() -> None:
+    assert len(ROWS) >= 30
+
+
+def test_the_published_table_lists_every_row() -> None:
+    published = (REPO / "docs" / "bad-inputs.md").read_text()
+    for row in ROWS:
+        assert row.given in published, row.given
+        assert row.says in published, row.says
+
+
+def test_nan_and_inf_pass_through_as_values_and_an_empty_result_is_fine() -> None:
+    with distributed():
+        result = all_reduced(lambda: {"a": float("nan"), "b": float("inf"), "c": {}})()
+    assert result["b"] == float("inf")
+    assert result["a"] != result["a"]  # NaN
+    assert result["c"] == {}
+
+
+def markdown_table() -> str:
+    """The table published in docs/bad-inputs.md (regenerate by running this module)."""
+    lines = ["| area | bad input | error | the message says |", "|---|---|---|---|"]
+    for row in ROWS:
+        lines.append(f"| {row.area} | {row.given} | `{row.error.__name__}` | {row.says} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
