@@ -82,10 +82,11 @@ def fail_on_rank_one() -> None:
     dist.barrier()  # rank 0 waits for a peer that has failed
 
 
-def test_a_failing_rank_stops_every_rank_within_seconds() -> None:
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_failing_rank_stops_every_rank_within_seconds(world_size: int) -> None:
     started = time.monotonic()
     with pytest.raises(RankError) as raised:
-        launch(fail_on_rank_one, world_size=3)
+        launch(fail_on_rank_one, world_size=world_size)
     elapsed = time.monotonic() - started
     error = raised.value
     assert elapsed < 5, f"took {elapsed:.1f} s"

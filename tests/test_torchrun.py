@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -58,9 +59,10 @@ def test_print_appears_once_and_groups_are_destroyed(two_rank_report: Report) ->
     assert stdout.count("GROUP-ALIVE-AFTER-EXIT False") == 2
 
 
-def test_an_exception_on_one_rank_ends_the_job_naming_that_rank() -> None:
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_an_exception_on_one_rank_ends_the_job_naming_that_rank(nproc: int) -> None:
     started = time.monotonic()
-    result = run_torchrun(SCRIPTS / "fail_on_rank.py", nproc=2, timeout=120)
+    result = run_torchrun(SCRIPTS / "fail_on_rank.py", nproc=nproc, timeout=120)
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     report = result.stderr
@@ -102,3 +104,51 @@ def test_decorators_work_under_a_group_formed_without_ddpctx(tmp_path: Path) -> 
         {"context": False, "mean": 0.5, "broadcast": 100, "plain": "ran"},
         {"context": False, "mean": 0.5, "broadcast": 100, "plain": None},
     ]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_rank_killed_with_sigkill_ends_the_job_naming_it(nproc: int, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "--monitor-interval=0.2",
+            str(SCRIPTS / "wait_forever.py"),
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("ready*"))) < nproc and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = sorted(
+            int(p)
+            for p in subprocess.run(
+                ["pgrep", "-P", str(job.pid)], capture_output=True, text=True
+            ).stdout.split()
+        )
+        assert len(workers) == nproc
+        started = time.monotonic()
+        os.kill(workers[-1], signal.SIGKILL)  # the highest pid: the last rank started
+        _, stderr = job.communicate(timeout=60)
+        elapsed = time.monotonic() - started
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after a rank was killed"
+    root_cause = stderr[stderr.index("Root Cause") :]
+    assert "Signal 9 (SIGKILL)" in root_cause or "exitcode  : -9" in root_cause
