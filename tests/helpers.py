@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,40 @@ def run_python(
     )
 
 
+def torchrun_command(
+    script: Path, *args: str, nproc: int = 2, launcher_args: tuple[str, ...] = ("--standalone",)
+) -> list[str]:
+    """``torchrun [launcher_args] --nproc_per_node=nproc script args`` as an argument list.
+
+    ``--monitor-interval`` is short so that a failed rank is noticed fast.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher_args,
+        f"--nproc_per_node={nproc}",
+        "--monitor-interval=0.2",
+        str(script),
+        *args,
+    ]
+
+
+def start_torchrun(
+    script: Path, *args: str, nproc: int = 2, launcher_args: tuple[str, ...] = ("--standalone",)
+) -> subprocess.Popen[str]:
+    """Start a torchrun job in the background (its own session, so it can be signalled whole)."""
+    return subprocess.Popen(
+        torchrun_command(script, *args, nproc=nproc, launcher_args=launcher_args),
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def run_torchrun(
     script: Path,
     *args: str,
@@ -51,27 +86,48 @@ def run_torchrun(
     """Run ``torchrun --standalone --nproc_per_node=nproc script args``, bounded in time.
 
     ``subprocess.run`` kills torchrun on timeout; torchrun's workers are in its
-    process group and die with it (``--monitor-interval`` keeps failure
-    detection fast).
+    process group and die with it.
     """
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "--monitor-interval=0.2",
-        str(script),
-        *args,
-    ]
     return subprocess.run(
-        command,
+        torchrun_command(script, *args, nproc=nproc),
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env or child_env(),
         cwd=REPO,
     )
+
+
+def child_pids(parent: int) -> list[int]:
+    """Live (not zombie) child processes of ``parent``, from /proc, in pid order."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def still_running(pids: list[int], grace: float = 5) -> list[int]:
+    """The pids that still exist after waiting up to ``grace`` seconds for them to go."""
+    deadline = time.monotonic() + grace
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def wait_for_files(folder: Path, pattern: str, count: int, timeout: float = 60) -> list[Path]:
+    """Wait until ``folder`` holds ``count`` files matching ``pattern``; return them."""
+    deadline = time.monotonic() + timeout
+    while len(found := sorted(folder.glob(pattern))) < count:
+        assert time.monotonic() < deadline, f"only {len(found)} of {count} {pattern} in {folder}"
+        time.sleep(0.05)
+    return found
 
 
 def listening_addresses(pid: int) -> list[str]:

@@ -17,16 +17,16 @@ import torch
 from ddpctx import distributed
 from ddpctx.checkpoint import atomic_save, checkpoint_paths
 from ddpctx.launcher import RankPool
-from tests.helpers import REPO, child_env
+from tests.helpers import (
+    REPO,
+    child_env,
+    child_pids,
+    start_torchrun,
+    still_running,
+    wait_for_files,
+)
 
 SCRIPTS = REPO / "tests" / "scripts"
-
-
-def wait_for(path: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
@@ -34,7 +34,7 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_pa
         [sys.executable, str(SCRIPTS / "slow_save.py"), str(tmp_path)], cwd=REPO, env=child_env()
     )
     try:
-        wait_for(tmp_path / "writing")
+        wait_for_files(tmp_path, "writing", 1)
         writer.kill()
         writer.wait(30)
     finally:
@@ -50,33 +50,10 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_pa
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_a_torchrun_job_ends_every_rank(tmp_path: Path, signum: int) -> None:
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--monitor-interval=0.2",
-            str(SCRIPTS / "wait_forever.py"),
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    job = start_torchrun(SCRIPTS / "wait_forever.py", str(tmp_path), nproc=2)
     try:
-        for rank in range(2):
-            wait_for(tmp_path / f"ready{rank}")
-        workers = [
-            int(p)
-            for p in subprocess.run(
-                ["pgrep", "-P", str(job.pid)], capture_output=True, text=True
-            ).stdout.split()
-        ]
+        wait_for_files(tmp_path, "ready*", 2)
+        workers = child_pids(job.pid)
         assert len(workers) == 2
         started = time.monotonic()
         job.send_signal(signum)
@@ -87,10 +64,7 @@ def test_a_signal_to_a_torchrun_job_ends_every_rank(tmp_path: Path, signum: int)
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0  # the exit status says the job was stopped
     assert elapsed < 40
-    deadline = time.monotonic() + 5
-    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
+    assert still_running(workers) == []
 
 
 def open_fds() -> int:

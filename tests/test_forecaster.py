@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_env, run_torchrun
+from tests.helpers import REPO, child_env, child_pids, run_torchrun, start_torchrun
 
 SCRIPT = REPO / "examples" / "train_forecaster.py"
 EPOCHS = "6"
@@ -49,46 +49,19 @@ def test_the_same_seed_gives_the_same_weights(
     assert summary(tmp_path)["model_sha256"] == uninterrupted["model_sha256"]
 
 
-def workers_of(parent: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_resumes_to_the_same_weights(
     uninterrupted: dict[str, Any], tmp_path: Path
 ) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--max-restarts=1",
-        "--monitor-interval=0.2",
-        str(SCRIPT),
+    job = start_torchrun(
+        SCRIPT,
         "--epochs",
         EPOCHS,
         "--seed",
         "3",
         "--out",
         str(tmp_path),
-    ]
-    job = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        launcher_args=("--standalone", "--max-restarts=1"),
     )
     try:
         deadline = time.monotonic() + 90
@@ -102,7 +75,7 @@ def test_a_rank_killed_mid_run_resumes_to_the_same_weights(
             if any(name >= "checkpoint-000002.pt" for name in names):
                 break
             time.sleep(0.02)
-        victims = workers_of(job.pid)
+        victims = child_pids(job.pid)
         assert victims, "no worker processes found under torchrun"
         killed_after = sorted(names)[-1]
         os.kill(max(victims), signal.SIGKILL)

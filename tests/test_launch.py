@@ -14,22 +14,19 @@ import torch.distributed as dist
 
 import ddpctx
 from ddpctx import RankError, RankTimeoutError, launch
-from tests.helpers import REPO, child_env, listening_addresses, run_python
+from tests.helpers import (
+    REPO,
+    child_env,
+    child_pids,
+    listening_addresses,
+    run_python,
+    still_running,
+    wait_for_files,
+)
 
 
 def children() -> list[int]:
-    """Live (non-zombie) child processes of this process."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
+    return child_pids(os.getpid())
 
 
 @pytest.fixture(autouse=True)
@@ -195,20 +192,14 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        ranks = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
+        ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
         assert len(ranks) == 2
         parent.send_signal(signal.SIGINT)
         _, stderr = parent.communicate(timeout=30)
     finally:
         parent.kill()
     assert "KeyboardInterrupt" in stderr
-    deadline = time.monotonic() + 5
-    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [pid for pid in ranks if Path(f"/proc/{pid}").exists()] == []
+    assert still_running(ranks) == []
 
 
 def big_backward() -> int:

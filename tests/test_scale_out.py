@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO, child_env, start_torchrun
 
 SCRIPT = REPO / "tests" / "scripts" / "scale_out.py"
 
@@ -42,26 +42,17 @@ def wait_all(processes: list[subprocess.Popen[str]], timeout: float) -> list[str
 def test_two_torchrun_nodes_on_loopback(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
+        start_torchrun(
+            SCRIPT,
+            str(tmp_path),
+            nproc=2,
+            launcher_args=(
                 "--nnodes=2",
-                "--nproc_per_node=2",
                 f"--node_rank={node}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={endpoint}",
                 "--rdzv-id=ddpctx-test",
-                "--monitor-interval=0.2",
-                str(SCRIPT),
-                str(tmp_path),
-            ],
-            cwd=REPO,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            ),
         )
         for node in range(2)
     ]

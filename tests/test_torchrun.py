@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, run_torchrun
+from tests.helpers import REPO, child_pids, run_torchrun, start_torchrun, wait_for_files
 
 Report = tuple[list[dict[str, Any]], str]
 
@@ -108,39 +109,10 @@ def test_decorators_work_under_a_group_formed_without_ddpctx(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_rank_killed_with_sigkill_ends_the_job_naming_it(nproc: int, tmp_path: Path) -> None:
-    import signal
-    import subprocess
-    import sys
-
-    from tests.helpers import child_env
-
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "--monitor-interval=0.2",
-            str(SCRIPTS / "wait_forever.py"),
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_torchrun(SCRIPTS / "wait_forever.py", str(tmp_path), nproc=nproc)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("ready*"))) < nproc and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers = sorted(
-            int(p)
-            for p in subprocess.run(
-                ["pgrep", "-P", str(job.pid)], capture_output=True, text=True
-            ).stdout.split()
-        )
+        wait_for_files(tmp_path, "ready*", nproc)
+        workers = child_pids(job.pid)
         assert len(workers) == nproc
         started = time.monotonic()
         os.kill(workers[-1], signal.SIGKILL)  # the highest pid: the last rank started
