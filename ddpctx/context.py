@@ -64,7 +64,6 @@ from ddpctx.checkpoint import (
     unwrap_model,
 )
 from ddpctx.collectives import (
-    OpSpec,
     Site,
     all_gather_objects,
     all_reduce_tree,
@@ -86,6 +85,7 @@ from ddpctx.group import (
     init_group,
     record_for_torchrun,
 )
+from ddpctx.packing import OpSpec
 from ddpctx.rankzero import Place, on_rank_zero, zero_first
 from ddpctx.report import bar_on_main
 from ddpctx.seeding import (

@@ -39,9 +39,10 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import torch.distributed as dist
 
-from ddpctx.collectives import OpSpec, Site, all_reduce_tree, check_op, report_failure
+from ddpctx.collectives import Site, all_reduce_tree, check_op, report_failure
 from ddpctx.context import current
 from ddpctx.env import detect_launch
+from ddpctx.packing import OpSpec
 from ddpctx.rankzero import Place, on_rank_zero, zero_first
 
 P = ParamSpec("P")
