@@ -12,8 +12,9 @@ This module is the one engine behind :func:`launch` and the pytest plugin
   Each rank runs torch with one intra-op thread, as torchrun's workers do:
   the parent's OpenMP thread pool does not survive the fork.
   A :class:`RankPool` keeps its workers for many tasks; each task gets a
-  fresh process group. If CUDA is already initialised in the caller, forking
-  is unsafe and :func:`launch` refuses with an explanation.
+  fresh process group. If CUDA is already initialised in the caller,
+  forking is unsafe and :func:`launch` refuses with an explanation. What
+  happens inside a worker is :mod:`ddpctx.worker`.
 - **Rendezvous** goes through a ``FileStore`` in a private temporary
   directory (mode 0700): no TCP port at all. gloo's own transport socket is
   pinned to the loopback interface.
@@ -40,8 +41,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -51,13 +50,12 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpctx.errors import is_follow_on
+from ddpctx.worker import Outcome, Task, read_from, worker_main
 
 #: Seconds the other ranks get, after the first failure, to report their own errors.
 FOLLOW_ON_GRACE_S = 1.0
@@ -129,156 +127,7 @@ class RemoteTraceback(Exception):
         return str(self.args[0]) if self.args else ""
 
 
-@dataclass
-class _Task:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    seed: int | None
-    timeout: float | None
-    store: str  # FileStore path, fresh per task
-
-
-@dataclass
-class _Outcome:
-    """What one rank sends back for one task."""
-
-    rank: int
-    kind: str  # "ok", "error", "skip"
-    value: Any = None
-    error: BaseException | None = None
-    error_text: str = ""  # "Type: message"
-    remote_traceback: str = ""
-    stdout: str = ""
-    stderr: str = ""
-    finished: float = field(default_factory=time.monotonic)
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _redirect_output(directory: Path, rank: int) -> tuple[Path, Path]:
-    """Send this worker's stdout/stderr (Python and C level) to files."""
-    out_path, err_path = directory / f"rank{rank}.out", directory / f"rank{rank}.err"
-    for path, fd, name in ((out_path, 1, "stdout"), (err_path, 2, "stderr")):
-        stream = open(path, "a", buffering=1)  # noqa: SIM115 -- lives as long as the worker
-        os.dup2(stream.fileno(), fd)
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
-    return out_path, err_path
-
-
-def _worker(
-    rank: int,
-    world_size: int,
-    conn: multiprocessing.connection.Connection,
-    directory: Path,
-    first: _Task | None,
-) -> None:
-    """A worker's whole life: take tasks until told to stop (or the parent is gone)."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    out_path, err_path = _redirect_output(directory, rank)
-    stacks = open(directory / f"rank{rank}.stack", "w")  # noqa: SIM115 -- worker lifetime
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # The parent's OpenMP thread pool does not survive fork: a forked rank that enters a
-        # parallel region deadlocks. One intra-op thread per rank (torchrun's default too)
-        # keeps torch from entering one.
-        torch.set_num_threads(1)
-    task = first
-    while True:
-        if task is None:
-            try:
-                task = conn.recv()
-            except (EOFError, OSError):
-                return
-            if task is None:
-                return
-        out_start, err_start = out_path.stat().st_size, err_path.stat().st_size
-        outcome = _run_task(rank, world_size, task)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        outcome.stdout = _read_from(out_path, out_start)
-        outcome.stderr = _read_from(err_path, err_start)
-        try:
-            conn.send(outcome)
-        except Exception as error:  # the value or the exception would not pickle
-            conn.send(_unpicklable(outcome, error))
-        task = None
-
-
-def _read_from(path: Path, offset: int) -> str:
-    with open(path, errors="replace") as handle:
-        handle.seek(offset)
-        return handle.read()
-
-
-def _unpicklable(outcome: _Outcome, error: Exception) -> _Outcome:
-    what = "result" if outcome.kind == "ok" else "exception"
-    return _Outcome(
-        outcome.rank,
-        "error",
-        error_text=outcome.error_text
-        or f"TypeError: rank {outcome.rank}'s {what} could not be sent back ({error})",
-        remote_traceback=outcome.remote_traceback,
-        stdout=outcome.stdout,
-        stderr=outcome.stderr,
-    )
-
-
-def _run_task(rank: int, world_size: int, task: _Task) -> _Outcome:
-    import torch.distributed as dist
-
-    from ddpctx.context import distributed
-    from ddpctx.env import resolve_timeout
-    from ddpctx.group import init_kwargs, loopback_gloo
-
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-    )
-    try:
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        kwargs = init_kwargs(backend, device, resolve_timeout(task.timeout, os.environ))
-        with loopback_gloo():
-            store = dist.FileStore(task.store, world_size)  # type: ignore[attr-defined]
-            dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
-        with distributed(seed=task.seed, timeout=task.timeout):
-            value = task.fn(*task.args, **task.kwargs)
-        return _Outcome(rank, "ok", value=value)
-    except BaseException as error:
-        if _is_pytest_skip(error):
-            return _Outcome(rank, "skip", error_text=str(error))
-        text = "".join(traceback.format_exception(type(error), error, _user_frames(error)))
-        return _Outcome(
-            rank,
-            "error",
-            error=_picklable(error),
-            error_text=f"{type(error).__name__}: {error}",
-            remote_traceback=text,
-        )
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-            os.environ.pop(name, None)
-
-
-def _root_cause(outcomes: dict[int, _Outcome]) -> _Outcome | None:
+def _root_cause(outcomes: dict[int, Outcome]) -> Outcome | None:
     """The failure to report: a rank's own error before any follow-on error, earliest first."""
     bad = [o for o in outcomes.values() if o.kind != "ok"]
     if not bad:
@@ -286,29 +135,11 @@ def _root_cause(outcomes: dict[int, _Outcome]) -> _Outcome | None:
     return min(bad, key=lambda o: (is_follow_on(o.error_text), o.finished))
 
 
-_PACKAGE = str(Path(__file__).resolve().parent)
-
-
-def _user_frames(error: BaseException) -> Any:
-    """The exception's traceback without the leading frames of ddpctx's own machinery."""
-    frames = error.__traceback__
-    while frames is not None and frames.tb_next is not None:
-        if not str(Path(frames.tb_frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
-            break
-        frames = frames.tb_next
-    return frames
-
-
-def _is_pytest_skip(error: BaseException) -> bool:
-    pytest = sys.modules.get("pytest")
-    return pytest is not None and isinstance(error, pytest.skip.Exception)
-
-
 def _worker_frames(dump: str) -> str:
     """A faulthandler dump without the frames a forked worker inherited from its parent."""
     lines = dump.strip().splitlines()
     for index, line in enumerate(lines):
-        if line.rstrip().endswith(" in _worker"):
+        if line.rstrip().endswith(" in worker_main"):
             return "\n".join(lines[: index + 1])
     return "\n".join(lines)
 
@@ -317,15 +148,6 @@ def summary(text: str, limit: int = 120) -> str:
     """The first line of an error text, cut to ``limit`` characters."""
     line = text.splitlines()[0] if text else "?"
     return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _picklable(error: BaseException) -> BaseException | None:
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:
-        return None
-    error.__traceback__ = None  # tracebacks never pickle; the text travels separately
-    return error
 
 
 class RankPool:
@@ -341,7 +163,7 @@ class RankPool:
         [3, 3]
     """
 
-    def __init__(self, world_size: int, first: _Task | None = None) -> None:
+    def __init__(self, world_size: int, first: Task | None = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be a positive int, e.g. 2.")
         if "fork" not in multiprocessing.get_all_start_methods():
@@ -367,7 +189,7 @@ class RankPool:
             for rank in range(world_size):
                 parent_end, child_end = context.Pipe()
                 process = context.Process(
-                    target=_worker,
+                    target=worker_main,
                     args=(rank, world_size, child_end, self._directory, first),
                     name=f"ddpctx-rank{rank}",
                     daemon=False,  # ranks may start DataLoader workers of their own
@@ -411,7 +233,7 @@ class RankPool:
         if self._first is not None:  # handed over at fork time: nothing to send
             self._first = None
         else:
-            task = _Task(
+            task = Task(
                 fn, tuple(args), dict(kwargs or {}), seed, timeout, self._store(self._tasks)
             )
             try:
@@ -432,10 +254,10 @@ class RankPool:
             raise
         return [outcome.value for outcome in outcomes]
 
-    def _collect(self, timeout: float | None) -> list[_Outcome]:
+    def _collect(self, timeout: float | None) -> list[Outcome]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        outcomes: dict[int, _Outcome] = {}
-        first_bad: _Outcome | None = None
+        outcomes: dict[int, Outcome] = {}
+        first_bad: Outcome | None = None
         grace_end: float | None = None
         while len(outcomes) < self.world_size:
             now = time.monotonic()
@@ -467,7 +289,7 @@ class RankPool:
             raise self._failure(first_bad, outcomes)
         return [outcomes[rank] for rank in range(self.world_size)]
 
-    def _died(self, rank: int) -> _Outcome:
+    def _died(self, rank: int) -> Outcome:
         process = self._processes[rank]
         process.join(1.0)
         code = process.exitcode
@@ -476,18 +298,18 @@ class RankPool:
             if code is not None and code < 0
             else f"exited with code {code}"
         )
-        return _Outcome(rank, "error", error_text=f"RuntimeError: rank {rank} {how}")
+        return Outcome(rank, "error", error_text=f"RuntimeError: rank {rank} {how}")
 
     def _outputs(self) -> list[tuple[str, str]]:
         return [
             (
-                _read_from(self._directory / f"rank{rank}.out", 0)[-20000:],
-                _read_from(self._directory / f"rank{rank}.err", 0)[-20000:],
+                read_from(self._directory / f"rank{rank}.out", 0)[-20000:],
+                read_from(self._directory / f"rank{rank}.err", 0)[-20000:],
             )
             for rank in range(self.world_size)
         ]
 
-    def _failure(self, first: _Outcome, outcomes: dict[int, _Outcome]) -> RankError:
+    def _failure(self, first: Outcome, outcomes: dict[int, Outcome]) -> RankError:
         outputs = [
             (o.stdout, o.stderr) if (o := outcomes.get(rank)) else ("", "")
             for rank in range(self.world_size)
@@ -518,7 +340,7 @@ class RankPool:
             secondary=secondary,
         )
 
-    def _timeout_error(self, timeout: float | None, outcomes: dict[int, _Outcome]) -> RankError:
+    def _timeout_error(self, timeout: float | None, outcomes: dict[int, Outcome]) -> RankError:
         stuck = [rank for rank in range(self.world_size) if rank not in outcomes]
         for rank in stuck:
             with contextlib.suppress(ProcessLookupError, TypeError):
@@ -526,7 +348,7 @@ class RankPool:
         time.sleep(STACK_DUMP_WAIT_S)
         stacks = "\n".join(
             f"--- rank {rank} ---\n"
-            + _worker_frames(_read_from(self._directory / f"rank{rank}.stack", 0))
+            + _worker_frames(read_from(self._directory / f"rank{rank}.stack", 0))
             for rank in stuck
         )
         finished = ", ".join(str(rank) for rank in sorted(outcomes)) or "none"
@@ -584,7 +406,7 @@ def launch(
         [2, 2]
     """
     _check_cuda(world_size)
-    pool = RankPool(world_size, first=_Task(fn, args, kwargs, seed, timeout, store=""))
+    pool = RankPool(world_size, first=Task(fn, args, kwargs, seed, timeout, store=""))
     try:
         results = pool.run(fn, args, kwargs, seed=seed, timeout=timeout)
         outputs = pool._outputs()

@@ -54,12 +54,13 @@ class _Pools:
 
         import torch  # noqa: F401 -- imported before forking, so workers start warm
 
-        from ddpctx.launcher import RankPool, _Task
+        from ddpctx.launcher import RankPool
+        from ddpctx.worker import Task
 
         try:
             pickle.dumps((fn, args, kwargs))
         except Exception:  # a closure or lambda: fork fresh ranks with it in memory
-            with RankPool(world_size, first=_Task(fn, args, kwargs, None, timeout, "")) as pool:
+            with RankPool(world_size, first=Task(fn, args, kwargs, None, timeout, "")) as pool:
                 return pool.run(fn, args, kwargs, timeout=timeout)
         if world_size not in self._pools or not self._pools[world_size].healthy:
             self._pools[world_size] = RankPool(world_size)
