@@ -90,7 +90,10 @@ def reduce_tensor(
     tensor([2., 4.])
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"reduce_tensor() needs a torch.Tensor, got {type(tensor).__name__}.")
+        raise TypeError(
+            f"reduce_tensor() needs a torch.Tensor, got {type(tensor).__name__} {tensor!r:.40}. "
+            "Wrap it (torch.tensor(x)), or reduce plain values with ctx.all_reduce."
+        )
     name = "mean" if isinstance(op, str) and op.lower() == "avg" else op
     check_op(name)
     actual = group_size()
@@ -127,7 +130,10 @@ def format_time(seconds: float) -> str:
     '1:02:05'
     """
     if not seconds >= 0:
-        raise ValueError(f"seconds={seconds!r} must be a non-negative duration.")
+        raise ValueError(
+            f"seconds={seconds!r} must be a non-negative duration; pass e.g. "
+            "time.monotonic() - started."
+        )
     whole = int(seconds)
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)

@@ -107,7 +107,8 @@ def make_dataloader(
         )
     if not isinstance(dataset, Sized):
         raise TypeError(
-            f"ctx.dataloader() needs a dataset with __len__; got {type(dataset).__name__}."
+            f"ctx.dataloader() needs a dataset with __len__; got {type(dataset).__name__}. "
+            "Give it __len__ and __getitem__ (a map-style Dataset), or shard it yourself."
         )
     clash = [name for name in _OWN_ARGUMENTS if name in loader_kwargs]
     if clash:
@@ -135,7 +136,9 @@ def epochs(n: int, start: int, samplers: list[Any], barrier: Callable[[], None])
     """Yield ``start .. n-1``; set every sampler's epoch before each, barrier after each."""
     for name, value in (("n", n), ("start", start)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a non-negative int.")
+            raise ValueError(
+                f"{name}={value!r} must be a non-negative int, e.g. ctx.epochs(10, start=0)."
+            )
     if start > n:
         raise ValueError(
             f"start={start} is past n={n}: nothing would run. Resume with start <= n "

@@ -112,7 +112,8 @@ def _options(marker: pytest.Mark) -> tuple[int | list[int], float]:
             )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise pytest.UsageError(
-            f"@pytest.mark.{MARKER}(timeout={timeout!r}) must be a positive number of seconds."
+            f"@pytest.mark.{MARKER}(timeout={timeout!r}) must be a positive number of seconds, "
+            "e.g. timeout=60."
         )
     return (list(sizes) if isinstance(sizes, (list, tuple)) else sizes), float(timeout)
 
