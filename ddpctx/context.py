@@ -81,7 +81,6 @@ from ddpctx.env import (
 )
 from ddpctx.group import (
     destroy_group_bounded,
-    exit_on_sigterm,
     init_group,
     record_for_torchrun,
 )
@@ -95,6 +94,7 @@ from ddpctx.seeding import (
     set_rng_state,
     validate_seed,
 )
+from ddpctx.signals import exit_on_sigterm
 
 T = TypeVar("T")
 

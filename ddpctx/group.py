@@ -6,8 +6,6 @@
   (:func:`formation_store`), and gloo is pinned to loopback for groups that
   never leave this machine (:func:`loopback_gloo`).
 - :func:`destroy_group_bounded`: teardown that cannot hang the exit path.
-- :func:`exit_on_sigterm`: SIGTERM from a launcher becomes ``SystemExit(143)``
-  so clean-up runs.
 - :func:`record_for_torchrun`: the failing rank's exception, written where
   torchrun looks for it (torch's ``@record`` format).
 
@@ -17,21 +15,17 @@ Split out of :mod:`ddpctx.context`, which composes these into
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import inspect
 import json
 import os
-import signal
 import socket
-import sys
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import torch
@@ -151,37 +145,6 @@ def destroy_group_bounded() -> None:
         warnings.warn(
             f"destroy_process_group() failed: {failure[0]!r}", RuntimeWarning, stacklevel=2
         )
-
-
-def exit_on_sigterm(rank: int) -> Callable[[], None] | None:
-    """Make SIGTERM raise ``SystemExit(143)`` so clean-up runs; returns the undo.
-
-    Only from the main thread, and only when nobody installed a handler of
-    their own. A rank blocked inside a C++ collective runs the handler when
-    the collective returns or times out; launchers follow SIGTERM with SIGKILL
-    after a grace period (torchrun: 30 s), which bounds that case.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is not signal.SIG_DFL:
-        return None
-
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends us at once
-        builtins.print(
-            f"ddpctx: rank {rank} received SIGTERM; leaving distributed() and "
-            "destroying the process group.",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(128 + signum)
-
-    def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    return restore
 
 
 def record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None:
