@@ -64,8 +64,9 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpctx.packing import OPS, OpSpec, Plan, Wire, plan_key
+from ddpctx.packing import OPS, OpSpec, Plan, plan_key
 from ddpctx.tree import signature
+from ddpctx.wire import Wire
 
 T = TypeVar("T")
 

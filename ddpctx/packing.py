@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from ddpctx.tree import NUMPY, TENSOR, Leaf, describe, flatten
+from ddpctx.wire import Slot, Wire
 
 #: The reductions: "mean" and "sum" share the summed wire; the others use torch's ops.
 OPS = ("mean", "sum", "max", "min", "prod")
@@ -161,167 +162,6 @@ def _target(leaf: Leaf, op: str) -> Any:
 
 
 @dataclass
-class Slot:
-    """One leaf's place in a wire: ``count`` values from ``start``, as ``pieces`` pieces each."""
-
-    leaf: int
-    start: int
-    count: int
-    pieces: int  # 1: the value itself; k > 1: an int64 cut into k exact pieces
-    weight: int | None  # weighted mean: multiplied by this leaf's value before sending
-
-
-@dataclass
-class Wire:
-    """One buffer and one collective: every leaf sharing an op and a wire dtype."""
-
-    op: str
-    dtype: torch.dtype
-    slots: list[Slot]
-    length: int  # elements, flag and NaN marker included
-    flag: bool  # element 0 is the protocol's flag
-    nan_marker: bool  # the last element says whether a rank held a NaN (float max/min)
-    bits_per_piece: int
-
-    def flag_value(self, raised: bool) -> float:
-        """What this rank puts in the flag element: any rank's 1 survives the wire's op."""
-        if self.op == "min":
-            return -float(raised)
-        if self.op == "prod":
-            return 1.0 + float(raised)
-        return float(raised)
-
-    def flag_raised(self, reduced: float) -> bool:
-        if self.op == "min":
-            return reduced < -0.5
-        if self.op == "prod":
-            return reduced > 1.5
-        return reduced > 0.5
-
-    def empty(self, device: torch.device, raised: bool) -> torch.Tensor:
-        """A buffer of this wire's length holding only the flag (a rank that cannot pack)."""
-        neutral = 1.0 if self.op == "prod" else 0.0
-        buffer = torch.full((self.length,), neutral, dtype=self.dtype, device=device)
-        if self.flag:
-            buffer[0] = self.flag_value(raised)
-        return buffer
-
-    def pack(
-        self, values: Sequence[Any], device: torch.device, hide_nans: bool = True
-    ) -> torch.Tensor:
-        """This wire's values as one new buffer (never a view of an input).
-
-        In a float max/min wire, NaNs are replaced by the op's identity and
-        flagged in the last element; ``hide_nans=False`` leaves them in place.
-        """
-        parts: list[torch.Tensor] = []
-        if self.flag:
-            parts.append(torch.tensor([self.flag_value(False)], dtype=self.dtype, device=device))
-        numbers: list[Any] = []
-        for slot in self.slots:
-            value = values[slot.leaf]
-            if slot.weight is not None:
-                value = _times(value, values[slot.weight])
-            if slot.pieces > 1:
-                if numbers:
-                    parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
-                    numbers = []
-                parts.append(self._cut(_as_int64(value, device), slot.pieces))
-            elif isinstance(value, torch.Tensor):
-                if numbers:
-                    parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
-                    numbers = []
-                parts.append(value.detach().reshape(-1).to(device, self.dtype))
-            elif isinstance(value, np.ndarray):
-                if numbers:
-                    parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
-                    numbers = []
-                parts.append(_from_numpy(value).reshape(-1).to(device, self.dtype))
-            else:
-                numbers.append(_number(value, self.dtype))
-        if numbers:
-            parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
-        if not self.nan_marker:
-            return torch.cat(parts)  # a copy, also of a single part
-        payload = torch.cat(parts)
-        if not hide_nans:
-            return torch.cat([payload, payload.new_zeros(1)])
-        start = 1 if self.flag else 0
-        body = payload[start:]
-        nan = torch.isnan(body)
-        body.masked_fill_(nan, -math.inf if self.op == "max" else math.inf)
-        marker = nan.any().to(self.dtype).reshape(1)
-        return torch.cat([payload, marker if self.op == "max" else -marker])
-
-    def _cut(self, ints: torch.Tensor, pieces: int) -> torch.Tensor:
-        """An int64 vector as ``pieces`` exact non-negative pieces per value (two's complement)."""
-        bits = self.bits_per_piece
-        mask = (1 << bits) - 1
-        cut = [(ints >> (bits * k)) & mask for k in range(pieces)]
-        return torch.stack(cut, dim=1).reshape(-1).to(self.dtype)
-
-    def nan_seen(self, reduced: torch.Tensor) -> bool:
-        if not self.nan_marker:
-            return False
-        value = float(reduced[-1])
-        return value > 0.5 if self.op == "max" else value < -0.5
-
-    def values(self, reduced: torch.Tensor, slot: Slot) -> torch.Tensor:
-        """One leaf's reduced values, flat: in the wire dtype, or int64 for pieces."""
-        start = slot.start
-        if slot.pieces == 1:
-            return reduced[start : start + slot.count]
-        pieces = reduced[start : start + slot.count * slot.pieces].reshape(-1, slot.pieces)
-        exact = pieces.to(torch.int64)
-        total = exact[:, 0].clone()
-        for k in range(1, slot.pieces):
-            total += exact[:, k] << (self.bits_per_piece * k)  # wraps modulo 2**64, like int64
-        return total
-
-
-def _times(value: Any, weight: Any) -> Any:
-    """``value * weight`` formed in float64 (floats and ints alike)."""
-    factor = float(weight)
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64) * factor
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.astype(np.float64) * factor)
-    return float(value) * factor
-
-
-def _from_numpy(array: np.ndarray[Any, Any]) -> torch.Tensor:
-    if array.dtype.kind == "b":
-        array = array.astype(np.int64)
-    return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def _as_int64(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().reshape(-1).to(device, torch.int64)
-    if isinstance(value, np.ndarray):
-        return _from_numpy(value).reshape(-1).to(device, torch.int64)
-    number = int(value)
-    if not -(2**63) <= number < 2**63:
-        raise OverflowError(
-            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
-            "float (float(x)) or split it."
-        )
-    return torch.tensor([number], dtype=torch.int64, device=device)
-
-
-def _number(value: Any, dtype: torch.dtype) -> Any:
-    if dtype.is_floating_point:
-        return float(value)
-    number = int(value)
-    if not -(2**63) <= number < 2**63:
-        raise OverflowError(
-            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
-            "float (float(x)) or split it."
-        )
-    return number
-
-
-@dataclass
 class Plan:
     """Everything about reducing one structure that does not depend on its values."""
 
@@ -343,6 +183,8 @@ class Plan:
         lines = [f"weight={weight!r}", *describe(leaves, ops)]
         wires = _layout(leaves, ops, weights, world)
         targets = [_target(leaf, o) for leaf, o in zip(leaves, ops, strict=True)]
+        for wire in wires:
+            wire.prepare(leaves, targets)
         return cls(leaves, rebuild, ops, weights, wires, lines, targets), values
 
     def pack(self, values: Sequence[Any], device: torch.device) -> list[torch.Tensor]:
@@ -351,27 +193,15 @@ class Plan:
 
     def unpack(self, reduced: Sequence[torch.Tensor], world: int) -> Any:
         """The result, rebuilt from every wire's reduced buffer."""
-        flat: list[Any] = [None] * len(self.leaves)
+        totals: dict[int, float] = {}  # a total weight of 0: 0/0 = NaN
+        for weight in {w for w in self.weights if w is not None}:
+            for wire, buffer in zip(self.wires, reduced, strict=True):
+                for slot in wire.slots:
+                    if slot.leaf == weight:
+                        totals[weight] = wire.total(buffer, slot)
+        results: list[Any] = [None] * len(self.leaves)
         for wire, buffer in zip(self.wires, reduced, strict=True):
-            for slot in wire.slots:
-                flat[slot.leaf] = wire.values(buffer, slot)
-        totals: dict[int, float] = {}
-        results: list[Any] = []
-        for index, (leaf, op, target, value) in enumerate(
-            zip(self.leaves, self.ops, self.targets, flat, strict=True)
-        ):
-            weight = self.weights[index]
-            if op == "mean":
-                if weight is None:
-                    divisor = float(world)
-                else:
-                    if weight not in totals:
-                        totals[weight] = float(flat[weight].reshape(-1)[0])
-                    divisor = totals[weight]
-                if not value.is_floating_point():
-                    value = value.to(torch.float64)
-                value = value / divisor  # a total weight of 0: 0/0 = NaN
-            results.append(_finish(leaf, target, value))
+            wire.unpack(buffer, results, world, totals)
         return self.rebuild(results)
 
 
@@ -420,7 +250,7 @@ def _layout(
         bits = _bits(dtype, world)
         for index, pieces in members[(wire_op, dtype)]:
             count = math.prod(leaves[index].shape)
-            slots.append(Slot(index, start, count, pieces, weights[index]))
+            slots.append(Slot(index, start, count, pieces, weights[index], ops[index] == "mean"))
             start += count * pieces
         nan_marker = wire_op in ("max", "min") and dtype.is_floating_point
         wires.append(Wire(wire_op, dtype, slots, start + nan_marker, flag, nan_marker, bits))
@@ -434,28 +264,6 @@ def _bits(dtype: torch.dtype, world: int) -> int:
 
 def _pieces(dtype: torch.dtype, world: int) -> int:
     return -(-64 // _bits(dtype, world))
-
-
-def _finish(leaf: Leaf, target: Any, value: torch.Tensor) -> Any:
-    """A reduced flat tensor as the leaf's own kind: tensor, array, NumPy or Python number."""
-    if leaf.kind == TENSOR:
-        shaped = value.reshape(leaf.shape)
-        if not target.is_floating_point and shaped.is_floating_point():
-            shaped = shaped.round()
-        return shaped.to(leaf.device, target)
-    host = value.cpu()
-    if leaf.kind == NUMPY:
-        array = host.numpy().reshape(leaf.shape)
-        if target.kind in "biu" and array.dtype.kind == "f":
-            array = np.rint(array) if np.isfinite(array).all() else array
-        cast = array.astype(target) if target.kind != "b" else array != 0
-        return cast[()] if not leaf.shape else cast
-    number = host.item()
-    if target is float:
-        return float(number)
-    if target is bool:
-        return bool(number)
-    return int(number)
 
 
 def plan_key(structure: Any, op: OpSpec, weight: str | None, world: int) -> Any:
