@@ -102,6 +102,18 @@ class Site:
     agreed: Plan | None = None
     group: Callable[[], Any] | None = None  # weak reference to the group of `agreed`
 
+    _transport: tuple[Any, int, torch.device] | None = None
+
+    def transport(self, group: Any) -> tuple[int, torch.device]:
+        """The group's world size and buffer device (looked up once per group)."""
+        the_group = _the_group(group) if dist.is_initialized() else None
+        cached = self._transport
+        if cached is None or cached[0]() is not the_group:
+            world, device = group_size(group), comm_device(group)
+            ref = weakref.ref(the_group) if the_group is not None else (lambda: None)
+            self._transport = cached = (ref, world, device)
+        return cached[1], cached[2]
+
     def agreed_in(self, group: Any) -> Plan | None:
         return self.agreed if self.group is not None and self.group() is group else None
 
@@ -188,8 +200,7 @@ def all_reduce_tree(
 
     With ``async_op=True``, a :class:`Reduction` handle instead of the value.
     """
-    world = group_size(group)
-    device = comm_device(group)
+    world, device = site.transport(group)
     values: list[Any] = []
     structure = signature(obj, values)
     key = plan_key(structure, op, weight, world) if structure is not None else None

@@ -248,7 +248,8 @@ def _layout(
         start = int(flag)
         slots = []
         bits = _bits(dtype, world)
-        for index, pieces in members[(wire_op, dtype)]:
+        plain_first = sorted(members[(wire_op, dtype)], key=lambda member: member[1] > 1)
+        for index, pieces in plain_first:  # the integers in pieces last: cut and joined at once
             count = math.prod(leaves[index].shape)
             slots.append(Slot(index, start, count, pieces, weights[index], ops[index] == "mean"))
             start += count * pieces

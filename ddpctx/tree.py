@@ -69,7 +69,7 @@ def signature(node: Any, values: list[Any]) -> Hashable | None:
         children = list(node.values())
         if all(type(child) is torch.Tensor for child in children):  # the usual metrics dict
             values.extend(children)
-            return (dict, tuple(node), tuple((c.dtype, c.shape, c.device) for c in children))
+            return (dict, tuple(node), tuple([(c.dtype, c.shape, c.device) for c in children]))
         keys = tuple(signature(child, values) for child in children)
         return None if None in keys else (dict, tuple(node), keys)
     if isinstance(node, torch.Tensor):

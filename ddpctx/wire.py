@@ -72,12 +72,22 @@ class Wire:
     unpacking: str = "general"  # or "tensors" or "numbers"
     leaves: list[Leaf] = field(default_factory=list)
     targets: list[Any] = field(default_factory=list)  # per slot
+    first_pieces: int = 0  # slots from here on are integers in pieces
+    int_scalars: str = ""  # those integers: all 0-d tensors (TENSOR), all numbers (PYTHON)
     _flags: dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def prepare(self, leaves: Sequence[Leaf], targets: Sequence[Any]) -> None:
         """Pick the fast paths this wire's leaves allow (once, when the plan is made)."""
         mine = [leaves[slot.leaf] for slot in self.slots]
         self.leaves = mine
+        self.first_pieces = next(
+            (i for i, slot in enumerate(self.slots) if slot.pieces > 1), len(self.slots)
+        )
+        ints = mine[self.first_pieces :]
+        if ints and all(leaf.kind == TENSOR and not leaf.shape for leaf in ints):
+            self.int_scalars = TENSOR if len({leaf.native for leaf in ints}) == 1 else ""
+        elif ints and all(leaf.kind != TENSOR and not leaf.shape for leaf in ints):
+            self.int_scalars = PYTHON
         self.targets = [targets[slot.leaf] for slot in self.slots]
         plain = all(s.pieces == 1 and s.weight is None for s in self.slots)
         if not self.slots or self.nan_marker:
@@ -153,16 +163,11 @@ class Wire:
         if self.flag:
             parts.append(torch.tensor([self.flag_value(False)], dtype=self.dtype, device=device))
         numbers: list[Any] = []
-        for slot in self.slots:
+        for slot in self.slots[: self.first_pieces]:
             value = values[slot.leaf]
             if slot.weight is not None:
                 value = _times(value, values[slot.weight])
-            if slot.pieces > 1:
-                if numbers:
-                    parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
-                    numbers = []
-                parts.append(self._cut(_as_int64(value, device), slot.pieces))
-            elif isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor):
                 if numbers:
                     parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
                     numbers = []
@@ -176,6 +181,8 @@ class Wire:
                 numbers.append(_number(value, self.dtype))
         if numbers:
             parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
+        if self.first_pieces < len(self.slots):
+            parts.append(self._cut(self._ints(values, device)))
         if not self.nan_marker:
             return torch.cat(parts)  # a copy, also of a single part
         payload = torch.cat(parts)
@@ -188,12 +195,29 @@ class Wire:
         marker = nan.any().to(self.dtype).reshape(1)
         return torch.cat([payload, marker if self.op == "max" else -marker])
 
-    def _cut(self, ints: torch.Tensor, pieces: int) -> torch.Tensor:
-        """An int64 vector as ``pieces`` exact non-negative pieces per value (two's complement)."""
+    def _ints(self, values: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """Every integer leaf of this wire that travels in pieces, as one int64 vector."""
+        mine = [values[slot.leaf] for slot in self.slots[self.first_pieces :]]
+        if self.int_scalars == TENSOR:
+            return torch.stack(mine).to(device, torch.int64)
+        if self.int_scalars:
+            return torch.tensor([_number(v, torch.int64) for v in mine], device=device)
+        return torch.cat([_as_int64(value, device) for value in mine])
+
+    def _cut(self, ints: torch.Tensor) -> torch.Tensor:
+        """An int64 vector as exact non-negative pieces, ``pieces`` per value (two's complement)."""
         bits = self.bits_per_piece
-        mask = (1 << bits) - 1
-        cut = [(ints >> (bits * k)) & mask for k in range(pieces)]
-        return torch.stack(cut, dim=1).reshape(-1).to(self.dtype)
+        pieces = self.slots[-1].pieces
+        shifts = torch.arange(0, bits * pieces, bits, device=ints.device)
+        return ((ints.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1).to(self.dtype)
+
+    def _join(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The int64 sums of every pieces slot, from the reduced pieces (wrapping like int64)."""
+        pieces = self.slots[-1].pieces
+        start = self.slots[self.first_pieces].start
+        exact = reduced[start:].reshape(-1, pieces).to(torch.int64)
+        shifts = torch.arange(0, self.bits_per_piece * pieces, self.bits_per_piece)
+        return (exact << shifts.to(exact.device)).sum(dim=1)  # modulo 2**64, like int64
 
     def nan_seen(self, reduced: torch.Tensor) -> bool:
         if not self.nan_marker:
@@ -201,17 +225,17 @@ class Wire:
         value = float(reduced[-1])
         return value > 0.5 if self.op == "max" else value < -0.5
 
-    def values(self, reduced: torch.Tensor, slot: Slot) -> torch.Tensor:
+    def values(
+        self, reduced: torch.Tensor, slot: Slot, joined: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One leaf's reduced values, flat: in the wire dtype, or int64 for pieces."""
         start = slot.start
         if slot.pieces == 1:
             return reduced[start : start + slot.count]
-        pieces = reduced[start : start + slot.count * slot.pieces].reshape(-1, slot.pieces)
-        exact = pieces.to(torch.int64)
-        total = exact[:, 0].clone()
-        for k in range(1, slot.pieces):
-            total += exact[:, k] << (self.bits_per_piece * k)  # wraps modulo 2**64, like int64
-        return total
+        if joined is None:
+            joined = self._join(reduced)
+        first = (start - self.slots[self.first_pieces].start) // slot.pieces
+        return joined[first : first + slot.count]
 
     def unpack(
         self, reduced: torch.Tensor, results: list[Any], world: int, totals: dict[int, float]
@@ -221,7 +245,7 @@ class Wire:
             start = int(self.flag)
             body = reduced[start : start + len(self.slots)]
             if self.slots[0].mean:
-                body = body / world
+                body = body.div_(world)  # the buffer is ours: in place
             target, leaf = self.targets[0], self.leaves[0]
             if not target.is_floating_point and body.is_floating_point():
                 body = body.round()
@@ -238,12 +262,13 @@ class Wire:
                     number = _divided(number, world if slot.weight is None else totals[slot.weight])
                 results[slot.leaf] = _scalar(leaf, target, number)
             return
+        joined = self._join(reduced) if self.first_pieces < len(self.slots) else None
         for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
-            value = self.values(reduced, slot)
-            if slot.mean:
+            value = self.values(reduced, slot, joined)
+            if slot.mean:  # the buffer (or the joined pieces) is ours: divide in place
                 if not value.is_floating_point():
                     value = value.to(torch.float64)
-                value = value / (world if slot.weight is None else totals[slot.weight])
+                value = value.div_(world if slot.weight is None else totals[slot.weight])
             results[slot.leaf] = _finish(leaf, target, value)
 
     def _joined(self, pieces: Sequence[float]) -> int:
