@@ -8,7 +8,9 @@ and int64 values past 2**53); each contender reduces them ("sum" and
 ``all_gather_object``, exactly (``math.fsum`` / Python ints) and then rounded
 once to the dtype. The table gives, per contender and dtype, the share of
 elements that differ from that correctly rounded reference, and the largest
-difference in units of the dtype's last place (ulp). Lightning Fabric,
+difference in units of the result's last place (ulp; large where the ranks'
+values nearly cancel). ddpctx is also run on the first 64 values as separate
+0-d tensors (a metrics dict), which travel as float64. Lightning Fabric,
 Accelerate and Ignite (the ``bench`` extra) are reported as missing when not
 installed.
 """
@@ -30,6 +32,8 @@ DTYPES = {
     "float64": torch.float64,
     "int64 > 2**53": torch.int64,
 }
+#: Also reduced as 64 separate 0-d tensors (a metrics dict): small leaves travel as float64.
+SCALARS = 64
 OPS = ("sum", "mean")
 Reducer = Callable[[torch.Tensor, str], torch.Tensor]
 
@@ -103,13 +107,21 @@ def exact(columns: list[list[Any]], op: str, dtype: torch.dtype, world: int) -> 
     return torch.tensor(totals, dtype=torch.float64).to(dtype)
 
 
+MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
 def ulps(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """(share of elements that differ, largest difference in ulps of ``want``)."""
+    """(share of elements that differ, largest difference in ulps of ``want``'s dtype)."""
+    bits = MANTISSA_BITS.get(want.dtype)
     got, want = got.to(torch.float64), want.to(torch.float64)
     differ = got != want
-    if want.dtype.is_floating_point and not differ.any():
+    if not differ.any():
         return 0.0, 0.0
-    spacing = torch.tensor([math.ulp(x) for x in want.tolist()], dtype=torch.float64)
+    if bits is None:  # integers: one unit
+        spacing = torch.ones_like(want)
+    else:
+        _, exponent = torch.frexp(want)
+        spacing = torch.ldexp(torch.ones_like(want), exponent - bits)
     return differ.double().mean().item(), ((got - want).abs() / spacing).max().item()
 
 
@@ -133,6 +145,18 @@ def rank_main(elements: int) -> list[tuple[str, str, str, str]]:
                     continue
                 try:
                     got = reducer(mine, op)
+                    if name.startswith("ddpctx") and dtype.is_floating_point:
+                        scalars = {f"m{i}": x for i, x in enumerate(mine[:SCALARS].unbind(0))}
+                        reduced = torch.stack(list(reducer(scalars, op).values()))  # type: ignore[arg-type]
+                        share, worst = ulps(reduced, want[:SCALARS])
+                        rows.append(
+                            (
+                                f"{name}, {SCALARS} 0-d tensors",
+                                dtype_name,
+                                op,
+                                f"{share:.1%} ({worst:.1f} ulp)",
+                            )
+                        )
                     share, worst = ulps(torch.as_tensor(got).reshape(-1), want)
                     cell = f"{share:.1%} ({worst:.1f} ulp)"
                 except Exception as error:  # an anchor that refuses this dtype

@@ -8,9 +8,12 @@ and the :class:`Wire` buffers it travels in. A wire is one collective: one op
 
 How leaves travel (the *layout*, a function of the structure alone):
 
-- floating leaves in their own dtype (a float32 tensor as float32, a Python
-  float or ``np.float64`` as float64), so a sum is what torch's own
-  ``all_reduce`` of that dtype gives;
+- large floating leaves (``SMALL`` elements or more) in their own dtype (a
+  float32 tensor as float32), so their bytes are not doubled and a sum is
+  what torch's own ``all_reduce`` of that dtype gives; smaller ones (scalar
+  metrics, short vectors) as float64, where the sum over ranks is exact
+  before it is rounded once to the leaf's dtype, sharing the wire of the
+  Python floats and ``np.float64`` scalars;
 - integers and bools exactly, as int64. Under "mean"/"sum" they ride inside
   the float64 (else float32) sum wire as a few exact pieces of
   ``bits_per_piece`` bits (a piece summed over every rank stays an exact
@@ -53,6 +56,8 @@ OPS = ("mean", "sum", "max", "min", "prod")
 
 OpSpec = str | Mapping[str, str]
 
+#: Floating leaves with fewer elements travel as float64 (see ``_wire_float``).
+SMALL = 1024
 #: Wire order: the first wire present carries the protocol's flag.
 _WIRE_OPS = ("sum", "max", "min", "prod")
 _FLOAT_ORDER = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -211,7 +216,7 @@ def _layout(
     """Which leaves travel in which wire, in which dtype: a function of the structure only."""
     members: dict[tuple[str, torch.dtype], list[tuple[int, int]]] = {}  # -> [(leaf, pieces)]
     summed_floats = {
-        _torch_dtype(leaf)
+        _wire_float(leaf)
         for leaf, op, w in zip(leaves, ops, weights, strict=True)
         if op in ("mean", "sum") and w is None and _torch_dtype(leaf).is_floating_point
     }
@@ -223,9 +228,9 @@ def _layout(
         wire_op = "sum" if op in ("mean", "sum") else op
         pieces = 1
         if weight is not None:
-            dtype = torch.float32 if own == torch.float32 else torch.float64
+            dtype = torch.float32 if _wire_float(leaf) == torch.float32 else torch.float64
         elif own.is_floating_point:
-            dtype = own
+            dtype = _wire_float(leaf)
         elif wire_op == "sum" and host is not None:
             dtype, pieces = host, _pieces(host, world)
         else:
@@ -256,6 +261,18 @@ def _layout(
         nan_marker = wire_op in ("max", "min") and dtype.is_floating_point
         wires.append(Wire(wire_op, dtype, slots, start + nan_marker, flag, nan_marker, bits))
     return wires
+
+
+def _wire_float(leaf: Leaf) -> torch.dtype:
+    """A floating leaf's wire dtype: its own, or float64 for a small one.
+
+    Small leaves (scalars, short vectors) cost latency, not bandwidth: in
+    float64 their sum over ranks is exact before it is rounded once to the
+    leaf's dtype, and they share one wire with the Python floats and counts.
+    """
+    if math.prod(leaf.shape) < SMALL:
+        return torch.float64
+    return _torch_dtype(leaf)
 
 
 def _bits(dtype: torch.dtype, world: int) -> int:
