@@ -163,7 +163,7 @@ class Reduction(Generic[T]):
     def __init__(self, finish: Callable[[], T]) -> None:
         self._finish: Callable[[], T] | None = finish
         self._value: T | None = None
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
 
     def wait(self) -> None:
         """Block until the reduction is complete (errors are kept for :meth:`result`)."""
@@ -172,7 +172,7 @@ class Reduction(Generic[T]):
         finish, self._finish = self._finish, None
         try:
             self._value = finish()
-        except BaseException as error:  # kept for result() to re-raise
+        except Exception as error:  # kept for result() to re-raise; Ctrl-C goes through
             self._error = error
 
     def is_completed(self) -> bool:

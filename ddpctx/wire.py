@@ -140,7 +140,7 @@ class Wire:
         if self.packing == "stack":
             mine = [values[slot.leaf] for slot in self.slots]
             if self.flag:
-                mine.insert(0, self._flag(mine[0].device))
+                mine.insert(0, self._flag(mine[0]))
             with torch.no_grad():
                 return torch.stack(mine).to(device, self.dtype)
         if self.packing == "numbers":
@@ -151,11 +151,14 @@ class Wire:
         with torch.no_grad():
             return self._pack(values, device, hide_nans)
 
-    def _flag(self, device: torch.device) -> torch.Tensor:
-        flag = self._flags.get(device)
+    def _flag(self, like: torch.Tensor) -> torch.Tensor:
+        """A lowered flag as a 0-d tensor of ``like``'s dtype and device (0 or 1: exact in any
+        dtype), so that stacking it with the values needs no type promotion (a slow path)."""
+        key = (like.dtype, like.device)
+        flag = self._flags.get(key)
         if flag is None:
-            flag = self._flags[device] = torch.tensor(self.flag_value(False), dtype=self.dtype)
-            flag = self._flags[device] = flag.to(device)
+            flag = torch.tensor(self.flag_value(False), dtype=like.dtype, device=like.device)
+            self._flags[key] = flag
         return flag
 
     def _pack(self, values: Sequence[Any], device: torch.device, hide_nans: bool) -> torch.Tensor:
@@ -244,7 +247,7 @@ class Wire:
         if self.unpacking == "tensors":
             start = int(self.flag)
             body = reduced[start : start + len(self.slots)]
-            if self.slots[0].mean:
+            if self.slots[0].mean and world > 1:
                 body = body.div_(world)  # the buffer is ours: in place
             target, leaf = self.targets[0], self.leaves[0]
             if not target.is_floating_point and body.is_floating_point():
