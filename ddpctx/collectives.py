@@ -1,43 +1,51 @@
-"""Reducing nested metrics in one collective; broadcasting and gathering objects.
+"""Reducing nested metrics in as few collectives as the dtypes allow; broadcasting and gathering.
 
 The reduction protocol
 ----------------------
-Every "mean" and "sum" leaf (and the weight leaves) travel in ONE float64
-buffer and ONE ``all_reduce``; "max", "min" and "prod" add one collective each,
-only when used. float64 keeps integer sums exact up to 2**53.
+Two facts shape it (measured on torch 2.13 / gloo):
 
-Two facts shape the buffer (measured on torch 2.13 / gloo):
+- gloo, given buffers of different lengths (or dtypes) on different ranks,
+  returns garbage on one rank and aborts another with SIGABRT. So no rank may
+  send a buffer whose layout the others have not agreed to.
+- gloo reduces 1-2 elements markedly faster than 4 or more, so the steady
+  state must not carry a large header.
 
-- gloo, given buffers of different lengths on different ranks, returns
-  garbage on one rank and aborts another with SIGABRT. So a buffer's length
-  must never depend on what a rank happens to return. Each call site keeps an
-  agreed *capacity*; the payload is padded to it. The capacity only changes
-  from information every rank received in the same reduction, so it stays
-  identical on every rank.
-- A structure fingerprint must be stable across processes (``hash()`` of a
-  string is not), so it is a CRC of a canonical description.
+So each call site *agrees* on a structure once, then carries one flag element:
 
-The buffer is ``[header | payload | padding]``. The header is summed with the
-rest: ``1`` (counts the ranks), two fingerprints ``h`` and their squares
-``h*h`` (``sum(h)**2 == n * sum(h*h)`` exactly when every ``h`` is equal), a
-failure flag, an overflow flag and the payload length. After the one
-``all_reduce`` every rank reads the same header and takes the same branch:
+- A :class:`Site` remembers the plan (layout) every rank last agreed on in
+  this process group. A rank whose result has that structure packs it and
+  sends the first wire (see :mod:`ddpctx.packing`) with its flag 0: the
+  steady state is the payload plus one element, one collective per wire.
+- A rank whose structure differs (or that failed, or a site that never agreed
+  in this group) sends a buffer of the *agreed* first wire's layout (a fixed
+  1-element buffer at a fresh site) with its flag 1. The flag survives the
+  wire's op, so every rank sees it in the same collective and takes the slow
+  path together: an ``all_gather_object`` of every rank's structure
+  description (or error). Then every rank raises (a failure: the failing
+  rank its own error, the others a :class:`ReductionError` naming it; a
+  mismatch: a :class:`ReductionError` saying which keys differ on which
+  rank, at which call sites), or every rank adopts the new layout and the
+  reduction is done again with it.
 
-- a rank failed to pack (e.g. a string leaf): every rank raises; the failing
-  rank its own ``TypeError``, the others a :class:`ReductionError` naming it;
-- fingerprints differ: every rank raises a :class:`ReductionError` listing
-  which keys or shapes differ on which rank;
-- a payload did not fit: the capacity grows to the payload length and the
-  reduction is repeated (once per change of structure, never in the steady
-  state).
+Only the structure is compared, never the call site: the same reduction
+written on two lines of a rank-dependent ``if`` agrees. The layout, and so
+every result, depends on the structure alone, not on what the site reduced
+before; a site that reduced a large tensor once and scalars since sends
+scalars. Ranks must reach their call sites in the same order (as any
+collective requires); pairing one site with different sites on different
+ranks over time is not detected before the collective.
 
-The diagnostic paths gather the details with object collectives; they run
-only after every rank has learned, from the same header, that they are needed.
+``async_op=True`` returns a :class:`Reduction` handle after the first wire is
+sent; the check, the other wires and the slow path run in ``.wait()`` /
+``.result()``, which raise what the synchronous call would have raised.
+
+Object collectives pickle on the sending rank first: an object that cannot be
+pickled is an error on every rank (never a wait), and what arrives is exactly
+what torch's own object collectives deliver (a ``Counter`` stays a
+``Counter``), including a copy, never the same object, of this rank's own.
 
 Layering: this module knows ``torch.distributed`` and nothing of
-:mod:`ddpctx.context`; callers pass the :class:`Site`. Turning results into
-buffers and back (ops, weights, fingerprints, leaf kinds) is
-:mod:`ddpctx.packing`'s job.
+:mod:`ddpctx.context`; callers pass the :class:`Site`.
 
 Example:
     >>> all_reduce_tree({"loss": 2.0, "count": 4}, weight="count", site=Site("doc"))
@@ -46,26 +54,30 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import io
+import pickle
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ddpctx.packing import OPS, OpSpec, Plan, plan_key
 from ddpctx.tree import signature
+from ddpctx.wire import Wire
+
+T = TypeVar("T")
 
 _TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
     "prod": dist.ReduceOp.PRODUCT,
 }
-_HEADER = 8
-_ONES, _H1, _H1SQ, _H2, _H2SQ, _FAILED, _OVERFLOW, _LENGTH = range(_HEADER)
-
-#: Payload elements a call site starts with; 32 metrics fit without a resize.
-DEFAULT_CAPACITY = 64
+#: The first wire of a site that has not agreed on a layout in this group yet.
+_FRESH = Wire("sum", torch.float64, [], 1, True, False, 0)
 #: Structures a call site remembers before it starts over.
 _PLANS_PER_SITE = 16
 
@@ -82,12 +94,31 @@ class ReductionError(RuntimeError):
 
 @dataclass
 class Site:
-    """One call site (a decorated function, a calling line): its agreed buffer capacity,
-    and the plans it made for the structures it has seen (a cache, local to this rank)."""
+    """One call site (a decorated function, a calling line): the plans it made for the
+    structures it has seen, and the one every rank agreed on last, in which group."""
 
     name: str
-    capacity: int = DEFAULT_CAPACITY
     plans: dict[Any, Plan] = field(default_factory=dict)
+    agreed: Plan | None = None
+    group: Callable[[], Any] | None = None  # weak reference to the group of `agreed`
+
+    _transport: tuple[Any, int, torch.device] | None = None
+
+    def transport(self, group: Any) -> tuple[int, torch.device]:
+        """The group's world size and buffer device (looked up once per group)."""
+        the_group = _the_group(group) if dist.is_initialized() else None
+        cached = self._transport
+        if cached is None or cached[0]() is not the_group:
+            world, device = group_size(group), comm_device(group)
+            ref = weakref.ref(the_group) if the_group is not None else (lambda: None)
+            self._transport = cached = (ref, world, device)
+        return cached[1], cached[2]
+
+    def agreed_in(self, group: Any) -> Plan | None:
+        return self.agreed if self.group is not None and self.group() is group else None
+
+    def agree(self, plan: Plan, group: Any) -> None:
+        self.agreed, self.group = plan, weakref.ref(group)
 
 
 def check_op(op: object) -> None:
@@ -113,6 +144,49 @@ def comm_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+def _the_group(group: Any) -> Any:
+    return group if group is not None else dist.group.WORLD
+
+
+class Reduction(Generic[T]):
+    """The handle ``async_op=True`` returns: ``.wait()``, then ``.result()``.
+
+    ``.result()`` returns the reduced value, or raises what the synchronous
+    call would have raised (on every rank alike).
+
+    Example:
+        >>> handle = all_reduce_tree({"loss": 0.5}, site=Site("doc"), async_op=True)
+        >>> handle.result()
+        {'loss': 0.5}
+    """
+
+    def __init__(self, finish: Callable[[], T]) -> None:
+        self._finish: Callable[[], T] | None = finish
+        self._value: T | None = None
+        self._error: Exception | None = None
+
+    def wait(self) -> None:
+        """Block until the reduction is complete (errors are kept for :meth:`result`)."""
+        if self._finish is None:
+            return
+        finish, self._finish = self._finish, None
+        try:
+            self._value = finish()
+        except Exception as error:  # kept for result() to re-raise; Ctrl-C goes through
+            self._error = error
+
+    def is_completed(self) -> bool:
+        """True once :meth:`wait` has run."""
+        return self._finish is None
+
+    def result(self) -> T:
+        """The reduced value (waits first)."""
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
 def all_reduce_tree(
     obj: Any,
     op: OpSpec = "mean",
@@ -120,82 +194,164 @@ def all_reduce_tree(
     *,
     site: Site,
     group: Any = None,
+    async_op: bool = False,
 ) -> Any:
-    """Reduce every numeric leaf of ``obj`` across ranks; same structure and leaf kinds back."""
-    world = group_size(group)
-    device = comm_device(group)
+    """Reduce every numeric leaf of ``obj`` across ranks; same structure and leaf kinds back.
+
+    With ``async_op=True``, a :class:`Reduction` handle instead of the value.
+    """
+    world, device = site.transport(group)
     values: list[Any] = []
     structure = signature(obj, values)
-    key = plan_key(structure, op, weight) if structure is not None else None
+    key = plan_key(structure, op, weight, world) if structure is not None else None
     plan = site.plans.get(key) if key is not None else None
     if plan is None:
         try:
             check_op(op)
-            plan, values = Plan.make(obj, op, weight, site.name)
+            plan, values = Plan.make(obj, op, weight, world)
         except (TypeError, ValueError) as error:
+            if async_op:
+                return failed_reduction(error, site, group)
             report_failure(error, site, group)
             raise
         if key is not None:
             if len(site.plans) >= _PLANS_PER_SITE:
                 site.plans.clear()
             site.plans[key] = plan
-    payload = plan.summed.pack(values, device)
-    if plan.weighted:
-        factors = [
-            1.0 if w is None else float(values[w])
-            for w in map(plan.weights.__getitem__, plan.summed.indices)
-        ]
-        counts = torch.tensor(plan.summed.numels, device=device)
-        payload = payload * torch.repeat_interleave(
-            torch.tensor(factors, dtype=torch.float64, device=device), counts
+    try:
+        buffers = plan.pack(values, device)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as error:
+        if async_op:
+            return failed_reduction(error, site, group)
+        report_failure(error, site, group)
+        raise
+    if world == 1:
+        return _done(_local(plan, values, buffers, device), async_op)
+    finish = _send(plan, values, buffers, site, group, device, world)
+    if async_op:
+        return Reduction(finish)
+    return finish()
+
+
+def _done(value: Any, async_op: bool) -> Any:
+    return Reduction(lambda: value) if async_op else value
+
+
+def _local(plan: Plan, values: list[Any], buffers: list[torch.Tensor], device: Any) -> Any:
+    for wire, buffer in zip(plan.wires, buffers, strict=True):
+        if wire.nan_seen(buffer):
+            _put_nans(wire, buffer, values, device, None)
+    return plan.unpack(buffers, 1)
+
+
+def _send(
+    plan: Plan,
+    values: list[Any],
+    buffers: list[torch.Tensor],
+    site: Site,
+    group: Any,
+    device: torch.device,
+    world: int,
+) -> Callable[[], Any]:
+    """Send the first wire now; return the function that completes the reduction."""
+    the_group = _the_group(group)
+    agreed = site.agreed_in(the_group)
+    if agreed is not None and agreed is not plan and agreed.lines == plan.lines:
+        site.agree(plan, the_group)  # the same structure, planned again
+        agreed = plan
+    if agreed is plan:
+        first = buffers[0]
+    else:
+        first = (agreed.wires[0] if agreed is not None else _FRESH).empty(device, raised=True)
+    wire = _wire_of(agreed, plan)
+    work = dist.all_reduce(first, op=_TORCH_OPS[wire.op], group=group, async_op=True)
+
+    def finish() -> Any:
+        work.wait()
+        if wire.flag_raised(float(first[0])):
+            _agree(plan, None, site, group, world)
+            dist.all_reduce(buffers[0], op=_TORCH_OPS[plan.wires[0].op], group=group)
+        return _rest(plan, values, buffers, group, device, world)
+
+    return finish
+
+
+def _wire_of(agreed: Plan | None, plan: Plan) -> Wire:
+    if agreed is plan:
+        return plan.wires[0]
+    return agreed.wires[0] if agreed is not None else _FRESH
+
+
+def _rest(
+    plan: Plan,
+    values: list[Any],
+    buffers: list[torch.Tensor],
+    group: Any,
+    device: torch.device,
+    world: int,
+) -> Any:
+    """The first wire is reduced and every flag is down: the other wires, then the result."""
+    for wire, buffer in zip(plan.wires[1:], buffers[1:], strict=True):
+        dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group)
+    for wire, buffer in zip(plan.wires, buffers, strict=True):
+        if wire.nan_seen(buffer):  # the same answer on every rank: all take this branch
+            _put_nans(wire, buffer, values, device, group)
+    return plan.unpack(buffers, world)
+
+
+def _put_nans(
+    wire: Wire, reduced: torch.Tensor, values: list[Any], device: torch.device, group: Any
+) -> None:
+    """Mark NaN where any rank held one (max/min would otherwise pick by position)."""
+    raw = wire.pack(values, device, hide_nans=False)
+    held = torch.isnan(raw).to(wire.dtype)
+    if group_size(group) > 1:
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+    start = int(wire.flag)
+    body = slice(start, wire.length - 1)
+    reduced[body] = torch.where(held[body] > 0, torch.nan, reduced[body])
+
+
+def _agree(plan: Plan | None, error: Exception | None, site: Site, group: Any, world: int) -> None:
+    """The slow path: compare every rank's structure (or error); adopt it or raise everywhere."""
+    mine: tuple[Any, ...]
+    if error is not None or plan is None:
+        mine = ("failed", site.name, f"{type(error).__name__}: {error}")
+    else:
+        mine = ("ok", site.name, plan.lines)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    failed = [(rank, entry[2]) for rank, entry in enumerate(everyone) if entry[0] == "failed"]
+    if failed:
+        if error is not None:
+            return  # the caller re-raises this rank's own error
+        details = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+        raise ReductionError(
+            f"rank {failed[0][0]} could not reduce its result, so no rank can ({details}). "
+            "Fix the error on that rank."
         )
-    results: list[Any] = [None] * len(plan.leaves)
-    if world > 1:  # the reduced slice is ours alone: divide it in place
-        payload = _reduce_with_header(payload, plan, site, device, group)
-        payload.div_(plan.divisors(payload, world))  # a total weight of 0: 0/0 = NaN
-    else:  # the payload may share memory with the caller's tensor
-        payload = payload / plan.divisors(payload, world)
-    if plan.summed.indices:
-        plan.summed.unpack(payload, results)
-    for name, others in plan.others.items():
-        packed = others.pack(values, device)
-        if world > 1:
-            dist.all_reduce(packed, op=_TORCH_OPS[name], group=group)
-        others.unpack(packed, results)
-    return plan.rebuild(results)
-
-
-def _reduce_with_header(
-    payload: torch.Tensor, plan: Plan, site: Site, device: torch.device, group: Any
-) -> torch.Tensor:
-    first, second = plan.fingerprints
-    length = payload.numel()
-    while True:
-        fits = length <= site.capacity
-        header = [1.0, first, first * first, second, second * second, 0.0, float(not fits), length]
-        parts = [plan.constant(("header", device, fits, length), _float64(header, device))]
-        if fits:
-            parts.append(payload)
-        padding = site.capacity - (length if fits else 0)
-        if padding:
-            parts.append(
-                plan.constant(("padding", device, padding), _float64([0.0] * padding, device))
-            )
-        buffer = torch.cat(parts)
-        dist.all_reduce(buffer, group=group)
-        totals = [int(x) for x in buffer[:_HEADER].tolist()]
-        ranks = totals[_ONES]
-        if totals[_FAILED]:
-            _raise_for_failed_rank(None, group)
-        if totals[_H1] ** 2 != ranks * totals[_H1SQ] or totals[_H2] ** 2 != ranks * totals[_H2SQ]:
-            _raise_for_mismatch(plan.lines, site, group)
-        if not totals[_OVERFLOW]:
-            return buffer[_HEADER : _HEADER + length]
-        site.capacity = max(site.capacity, totals[_LENGTH] // ranks)  # same on every rank
-
-
-def _float64(numbers: list[float], device: torch.device) -> Callable[[], torch.Tensor]:
-    return lambda: torch.tensor(numbers, dtype=torch.float64, device=device)
+    reference = everyone[0][2]
+    problems = [
+        f"rank {rank} {_difference(reference, entry[2])}"
+        for rank, entry in enumerate(everyone)
+        if rank > 0 and entry[2] != reference
+    ]
+    if problems:
+        names = {entry[1] for entry in everyone}
+        where = (
+            f"{site.name}: "
+            if len(names) == 1
+            else "("
+            + "; ".join(f"rank {rank} at {entry[1]}" for rank, entry in enumerate(everyone))
+            + ") "
+        )
+        raise ReductionError(
+            f"{where}ranks returned different structures, so they cannot be reduced "
+            f"together: {'; '.join(problems)}. Return the same keys, types and shapes on every "
+            "rank (use a zero count for a rank with no data)."
+        )
+    assert plan is not None
+    site.agree(plan, _the_group(group))
 
 
 def report_failure(error: Exception, site: Site, group: Any = None) -> None:
@@ -206,51 +362,49 @@ def report_failure(error: Exception, site: Site, group: Any = None) -> None:
     naming this rank. Errors while communicating are swallowed: ``error`` is
     the one worth raising.
     """
-    if group_size(group) == 1:
-        return
-    buffer = torch.zeros(_HEADER + site.capacity, dtype=torch.float64, device=comm_device(group))
-    buffer[_ONES] = 1.0
-    buffer[_FAILED] = 1.0
-    try:
-        dist.all_reduce(buffer, group=group)
-        _raise_for_failed_rank(error, group)
-    except Exception:  # a broken group: nothing more can be told
-        return
+    _tell_failure(error, site, group, async_op=False).wait()
 
 
-def _raise_for_failed_rank(error: Exception | None, group: Any) -> None:
-    reports: list[Any] = [None] * group_size(group)
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(reports, mine, group=group)
-    if error is not None:
-        return  # the caller re-raises this rank's own error
-    failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
-    details = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
-    raise ReductionError(
-        f"rank {failed[0][0]} could not reduce its result, so no rank can ({details}). "
-        "Fix the error on that rank."
-    )
+def failed_reduction(error: Exception, site: Site, group: Any = None) -> Reduction[Any]:
+    """The ``async_op=True`` form of :func:`report_failure`: a handle raising ``error``.
+
+    The flag goes out now, like the first wire of a reduction; the rest of
+    the protocol runs at ``.result()``, where the other ranks run theirs.
+    """
+    return _tell_failure(error, site, group, async_op=True)
 
 
-def _raise_for_mismatch(lines: list[str], site: Site, group: Any) -> None:
-    everyone: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(everyone, lines, group=group)
-    problems = [
-        f"rank {rank} {_difference(everyone[0], theirs)}"
-        for rank, theirs in enumerate(everyone)
-        if rank > 0 and theirs != everyone[0]
-    ]
-    raise ReductionError(
-        f"{site.name}: ranks returned different structures, so they cannot be reduced "
-        f"together: {'; '.join(problems)}. Return the same keys, types and shapes on every "
-        "rank (use a zero count for a rank with no data)."
-    )
+def _tell_failure(error: Exception, site: Site, group: Any, async_op: bool) -> Reduction[Any]:
+    world = group_size(group)
+    work: Any = None
+    if world > 1:
+        agreed = site.agreed_in(_the_group(group))
+        wire = agreed.wires[0] if agreed is not None else _FRESH
+        try:
+            buffer = wire.empty(comm_device(group), raised=True)
+            work = dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group, async_op=True)
+        except Exception:  # a broken group: nothing more can be told
+            work = None
+
+    def finish() -> Any:
+        if work is not None:
+            try:
+                work.wait()
+                _agree(None, error, site, group, world)
+            except Exception:  # a broken group: nothing more can be told
+                pass
+        raise error
+
+    handle: Reduction[Any] = Reduction(finish)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
-def _difference(reference: list[str], theirs: list[str]) -> str:
+def _difference(reference: Sequence[str], theirs: Sequence[str]) -> str:
     """How one rank's structure description differs from rank 0's, in words."""
-    ours = dict(line.split(" ", 1) for line in reference)
-    other = dict(line.split(" ", 1) for line in theirs)
+    ours = dict(line.partition(" ")[::2] for line in reference)
+    other = dict(line.partition(" ")[::2] for line in theirs)
     parts = [f"lacks {path}" for path in ours if path not in other]
     parts += [f"adds {path}" for path in other if path not in ours]
     parts += [
@@ -258,40 +412,54 @@ def _difference(reference: list[str], theirs: list[str]) -> str:
         for path in ours
         if path in other and other[path] != ours[path]
     ]
-    return "; ".join(parts) or "orders its leaves differently"
+    return "; ".join(parts) or "has the same leaves in another order"
 
 
-@dataclass(frozen=True)
-class _OnGpu:
-    """A CUDA tensor in transit, sent as a CPU copy; it lands on the receiver's GPU."""
-
-    tensor: torch.Tensor
+# Object collectives ------------------------------------------------------------------------
 
 
-def _portable(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.is_cuda:
-        return _OnGpu(obj.detach().cpu())
-    if isinstance(obj, dict):
-        return type(obj)((k, _portable(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(type(obj), "_fields"):
-        return type(obj)(_portable(v) for v in obj)
-    return obj
+def _on_this_gpu(tensor: torch.Tensor) -> torch.Tensor:
+    """Where a CUDA tensor sent by another rank lands: the receiver's own GPU."""
+    return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
 
-def _landed(obj: Any) -> Any:
-    if isinstance(obj, _OnGpu):
-        return obj.tensor.to(torch.device("cuda", torch.cuda.current_device()))
-    if isinstance(obj, dict):
-        return type(obj)((k, _landed(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(type(obj), "_fields"):
-        return type(obj)(_landed(v) for v in obj)
-    return obj
+class _Pickler(pickle.Pickler):
+    """pickle, but a CUDA tensor travels as a CPU copy and lands on the receiver's GPU."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            return _on_this_gpu, (obj.detach().cpu(),)
+        return NotImplemented
+
+
+def _pickled(obj: Any) -> tuple[str, bytes | str]:
+    """("ok", bytes) or ("failed", why): pickling happens before any communication."""
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception as error:  # anything pickle raises: every rank must hear of it
+        return "failed", f"{type(error).__name__}: {error}"
+    return "ok", buffer.getvalue()
+
+
+def _raise_unsent(entries: list[tuple[Any, ...]], rank: int, obj: Any) -> None:
+    failed = [(r, entry[1]) for r, entry in enumerate(entries) if entry and entry[0] == "failed"]
+    if not failed:
+        return
+    if any(r == rank for r, _ in failed):
+        pickle.dumps(obj)  # raises this rank's own error, with its own traceback
+    details = "; ".join(f"rank {r}: {text}" for r, text in failed)
+    raise ReductionError(
+        f"rank {failed[0][0]} could not pickle its object, so nothing was sent ({details}). "
+        "Send only picklable objects (e.g. a defaultdict with a named function, not a lambda)."
+    )
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """``obj`` from rank ``src`` on every rank: any picklable object, of any size.
 
-    CPU tensors arrive on the CPU, CUDA tensors on the receiver's own GPU.
+    CPU tensors arrive on the CPU, CUDA tensors on the receiver's own GPU. An
+    object ``src`` cannot pickle is an error on every rank.
     """
     world = group_size(group)
     if not isinstance(src, int) or not 0 <= src < world:
@@ -299,17 +467,25 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     if world == 1:
         return obj
     rank = dist.get_rank(group)
-    box = [_portable(obj) if rank == src else None]
+    box: list[Any] = [_pickled(obj) if rank == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    return obj if rank == src else _landed(box[0])
+    entries: list[Any] = [None] * world
+    entries[src] = box[0]
+    _raise_unsent(entries, rank, obj)
+    return obj if rank == src else pickle.loads(box[0][1])
 
 
 def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank; sizes may differ between ranks."""
+    """Every rank's ``obj``, in rank order, on every rank; sizes may differ between ranks.
+
+    Every entry is a copy (this rank's own too), as torch's ``all_gather_object``
+    gives. An object some rank cannot pickle is an error on every rank.
+    """
     world = group_size(group)
     if world == 1:
-        return [obj]
+        return [pickle.loads(pickle.dumps(obj))]
     rank = dist.get_rank(group)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, _portable(obj), group=group)
-    return [obj if r == rank else _landed(value) for r, value in enumerate(gathered)]
+    entries: list[Any] = [None] * world
+    dist.all_gather_object(entries, _pickled(obj), group=group)
+    _raise_unsent(entries, rank, obj)
+    return [pickle.loads(entry[1]) for entry in entries]

@@ -181,11 +181,13 @@ class DistContext:
         else:
             dist.barrier()
 
-    def all_reduce(self, obj: Any, op: OpSpec = "mean", weight: str | None = None) -> Any:
+    def all_reduce(
+        self, obj: Any, op: OpSpec = "mean", weight: str | None = None, *, async_op: bool = False
+    ) -> Any:
         """Reduce a number, tensor, array or nested dict/list of them across ranks.
 
         The functional form of :func:`ddpctx.all_reduced` (same options, same
-        single collective). Each calling line keeps its own agreed buffer size.
+        collectives). ``async_op=True`` returns a handle: ``.result()`` later.
 
         >>> with distributed() as ctx:
         ...     ctx.all_reduce({"loss": 0.5, "count": 10}, weight="count")
@@ -195,7 +197,7 @@ class DistContext:
         caller = sys._getframe(1)
         key = f"{caller.f_code.co_filename}:{caller.f_lineno}"
         site = self._sites.setdefault(key, Site(f"all_reduce at {key}"))
-        return all_reduce_tree(obj, op, weight, site=site)
+        return all_reduce_tree(obj, op, weight, site=site, async_op=async_op)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (any picklable object; tensors keep their device).

@@ -39,7 +39,14 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import torch.distributed as dist
 
-from ddpctx.collectives import Site, all_reduce_tree, check_op, report_failure
+from ddpctx.collectives import (
+    Reduction,
+    Site,
+    all_reduce_tree,
+    check_op,
+    failed_reduction,
+    report_failure,
+)
 from ddpctx.context import current
 from ddpctx.env import detect_launch
 from ddpctx.packing import OpSpec
@@ -150,8 +157,14 @@ def all_reduced(fn: Callable[P, R], /) -> Callable[P, R]: ...
 
 @overload
 def all_reduced(
-    *, op: OpSpec = "mean", weight: str | None = None
+    *, op: OpSpec = "mean", weight: str | None = None, async_op: Literal[False] = False
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+@overload
+def all_reduced(
+    *, op: OpSpec = "mean", weight: str | None = None, async_op: Literal[True]
+) -> Callable[[Callable[P, R]], Callable[P, Reduction[R]]]: ...
 
 
 def all_reduced(
@@ -160,6 +173,7 @@ def all_reduced(
     *,
     op: OpSpec = "mean",
     weight: str | None = None,
+    async_op: bool = False,
 ) -> Any:
     """Reduce the function's result across ranks; every rank gets the reduced value.
 
@@ -175,8 +189,15 @@ def all_reduced(
             summed and each "mean" leaf becomes the count-weighted mean over
             ranks; a total count of 0 gives NaN, never 0.
 
-    All mean/sum leaves travel in one collective; "max", "min" and "prod" add
-    one each when used.
+        async_op: return a :class:`~ddpctx.collectives.Reduction` handle at once;
+            ``.result()`` gives the value (or raises what the synchronous call
+            would have raised), so logging can overlap the next step.
+
+    Leaves travel in their own floating dtype, integers exactly (see
+    :mod:`ddpctx.packing`): one collective for a dict of floats and counts,
+    one more per further float dtype and per "max"/"min"/"prod". With a
+    per-key ``op``, the innermost named key wins: ``op={"val": "max",
+    "loss": "mean"}`` makes ``val.loss`` a mean and ``val.peak`` a max.
 
     Example:
         >>> @all_reduced(op={"loss": "mean", "peak_mb": "max"})
@@ -197,9 +218,11 @@ def all_reduced(
             try:
                 result = func(*args, **kwargs)
             except Exception as error:
+                if async_op:  # raised at .result(), where the other ranks learn of it
+                    return failed_reduction(error, site)
                 report_failure(error, site)  # the other ranks raise instead of waiting
                 raise
-            return all_reduce_tree(result, op, weight, site=site)
+            return all_reduce_tree(result, op, weight, site=site, async_op=async_op)
 
         return wrapper
 

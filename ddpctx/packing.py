@@ -1,59 +1,88 @@
-"""Turning a metric result into float64 buffers, and reduced buffers back into the result.
+"""Turning a metric result into wire buffers, and reduced buffers back into the result.
 
-For each structure a call site sees, a :class:`Plan` is made once: every leaf's
-op (from ``op=``), its weight leaf (``weight=``), the canonical description and
-fingerprints that the protocol in :mod:`ddpctx.collectives` compares across
-ranks, and one :class:`Group` per buffer ("mean"/"sum" together, then one each
-for "max", "min", "prod") that knows how to pack its leaves into one float64
-vector and unpack a reduced vector into leaves of the original kinds (an int
-under "mean" becomes a float; a tensor stays a tensor on its device). Later
-calls with the same structure reuse the plan, so the per-call work is the
-pack, the collective and the unpack.
+For each structure a call site sees, a :class:`Plan` is made once: every
+leaf's op (from ``op=``), its weight leaf (``weight=``), the canonical
+description the protocol in :mod:`ddpctx.collectives` compares across ranks,
+and the :class:`Wire` buffers it travels in. A wire is one collective: one op
+("sum" carries the "mean" and "sum" leaves) and one dtype.
 
-Split out of :mod:`ddpctx.collectives`, which owns the communication.
+How leaves travel (the *layout*, a function of the structure alone):
+
+- large floating leaves (``SMALL`` elements or more) in their own dtype (a
+  float32 tensor as float32), so their bytes are not doubled and a sum is
+  what torch's own ``all_reduce`` of that dtype gives; smaller ones (scalar
+  metrics, short vectors) as float64, where the sum over ranks is exact
+  before it is rounded once to the leaf's dtype, sharing the wire of the
+  Python floats and ``np.float64`` scalars;
+- integers and bools exactly, as int64. Under "mean"/"sum" they ride inside
+  the float64 (else float32) sum wire as a few exact pieces of
+  ``bits_per_piece`` bits (a piece summed over every rank stays an exact
+  integer in that float), so a dict of floats and counts is still ONE
+  collective. Integer tensors and arrays come back in their own dtype,
+  wrapped as torch's (and NumPy's) arithmetic in that dtype wraps; Python
+  ints travel as int64 and a total beyond int64 wraps like torch's int64;
+- weighted "mean" leaves as float64 (float32 tensors as float32): the
+  product with the weight is formed in float64 first;
+- "max"/"min" of floats carry one more element: whether any rank held a NaN.
+  When one did (rare), a second collective marks which elements, and those
+  come back NaN: NaN propagates whichever rank holds it.
+
+The first wire also carries the *flag* element of the protocol (one element,
+exact in any dtype: it is 0 or 1 per rank).
 
 Example:
-    >>> plan, values = Plan.make({"loss": 1.5, "count": 2}, "mean", "count", "doc")
+    >>> plan, values = Plan.make({"loss": 1.5, "count": 2}, "mean", "count", world=2)
     >>> [leaf.path for leaf in plan.leaves], plan.ops
     (["['loss']", "['count']"], ['mean', 'sum'])
+    >>> [(wire.op, str(wire.dtype), wire.length) for wire in plan.wires]
+    [('sum', 'torch.float64', 4)]
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ddpctx.tree import NUMPY, PYTHON, TENSOR, Leaf, describe, flatten
+from ddpctx.tree import NUMPY, TENSOR, Leaf, describe, flatten
+from ddpctx.wire import Slot, Wire
 
-#: The reductions: "mean" and "sum" share the summed buffer; the others use torch's ops.
+#: The reductions: "mean" and "sum" share the summed wire; the others use torch's ops.
 OPS = ("mean", "sum", "max", "min", "prod")
-_FINGERPRINT_RANGE = 2**20 - 1  # keeps h*h summed over ranks exact in float64
-
-#: The ops that get a buffer (and a collective) of their own, when used.
-SEPARATE_OPS = ("max", "min", "prod")
 
 OpSpec = str | Mapping[str, str]
 
+#: Floating leaves with fewer elements travel as float64 (see ``_wire_float``).
+SMALL = 1024
+#: Wire order: the first wire present carries the protocol's flag.
+_WIRE_OPS = ("sum", "max", "min", "prod")
+_FLOAT_ORDER = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_MANTISSA = {torch.float64: 53, torch.float32: 24}  # where exact integer pieces fit
 
-def _leaf_ops(leaves: Sequence[Leaf], op: OpSpec, weight: str | None) -> list[str]:
-    """The op of every leaf: the innermost of its keys named in ``op``, else "mean"."""
+
+def leaf_ops(leaves: Sequence[Leaf], op: OpSpec, weight: str | None) -> list[str]:
+    """The op of every leaf: the innermost of its keys named in ``op``, else "mean".
+
+    A key named in ``op`` applies to every leaf below it unless a key further in
+    is named too: with ``op={"val": "max", "loss": "mean"}``, ``val.loss`` is a
+    mean and ``val.peak`` a max.
+    """
     mapping = op if isinstance(op, Mapping) else {}
     default = "mean" if isinstance(op, Mapping) else op
-    unused = set(mapping)
+    seen: set[Any] = set()
     ops = []
     for leaf in leaves:
-        chosen = default
+        chosen = None
         for key in reversed(leaf.keys):
             if isinstance(key, str) and key in mapping:
-                chosen = mapping[key]
-                unused.discard(key)
-                break
+                seen.add(key)
+                if chosen is None:
+                    chosen = mapping[key]
+        chosen = chosen or default
         if weight is not None and leaf.keys and leaf.keys[-1] == weight:
             if leaf.key != weight:
                 raise ValueError(
@@ -67,6 +96,7 @@ def _leaf_ops(leaves: Sequence[Leaf], op: OpSpec, weight: str | None) -> list[st
                 )
             chosen = "sum"
         ops.append(chosen)
+    unused = set(mapping) - seen
     if unused:
         keys = sorted({str(k) for leaf in leaves for k in leaf.keys})
         raise ValueError(
@@ -101,14 +131,20 @@ def _weights(leaves: Sequence[Leaf], ops: Sequence[str], weight: str) -> list[in
     return result
 
 
-def _fingerprints(lines: Sequence[str], site: str, weight: str | None) -> tuple[int, int]:
-    text = "\n".join([site, repr(weight), *lines]).encode()
-    first = zlib.crc32(text) % _FINGERPRINT_RANGE + 1
-    second = zlib.adler32(text) % _FINGERPRINT_RANGE + 1
-    return first, second
+def _torch_dtype(leaf: Leaf) -> torch.dtype:
+    """The leaf's own dtype as a torch dtype (Python numbers: float64 / int64)."""
+    if leaf.kind == TENSOR:
+        dtype: torch.dtype = leaf.native
+        return dtype
+    if leaf.kind == NUMPY:
+        kind = leaf.native.kind
+        if kind == "f":
+            return {2: torch.float16, 4: torch.float32}.get(leaf.native.itemsize, torch.float64)
+        return torch.int64
+    return torch.float64 if leaf.native is float else torch.int64
 
 
-def _target_dtype(leaf: Leaf, op: str) -> Any:
+def _target(leaf: Leaf, op: str) -> Any:
     """The dtype a leaf comes back with: its own, a float where "mean" needs one."""
     if leaf.kind == NUMPY:
         kind = leaf.native.kind
@@ -131,97 +167,6 @@ def _target_dtype(leaf: Leaf, op: str) -> Any:
 
 
 @dataclass
-class Group:
-    """Leaves that travel in one buffer, and how to pack and unpack them quickly."""
-
-    indices: list[int]
-    leaves: list[Leaf]
-    targets: list[Any]
-    numels: list[int]
-    same_tensors: bool  # all tensors of one dtype on one device: one stack/cat
-    scalar_tensors: bool  # ...and all 0-d: one stack, one unbind
-    one_target: tuple[Any, torch.device | None] | None  # one result dtype/device for all
-    everything: bool  # the group holds every leaf, in order
-
-    @classmethod
-    def of(cls, indices: list[int], leaves: Sequence[Leaf], ops: Sequence[str]) -> Group:
-        chosen = [leaves[i] for i in indices]
-        targets = [_target_dtype(leaves[i], ops[i]) for i in indices]
-        kinds = {(leaf.kind, leaf.native, leaf.device) for leaf in chosen}
-        same = len(kinds) == 1 and next(iter(kinds))[0] == TENSOR
-        scalar = same and all(not leaf.shape for leaf in chosen)
-        ends = {(target, leaf.device) for target, leaf in zip(targets, chosen, strict=True)}
-        return cls(
-            indices,
-            chosen,
-            targets,
-            [math.prod(leaf.shape) for leaf in chosen],
-            same,
-            scalar,
-            next(iter(ends)) if scalar and len(ends) == 1 else None,
-            indices == list(range(len(leaves))),
-        )
-
-    def pack(self, values: list[Any], device: torch.device) -> torch.Tensor:
-        """This group's values as one float64 vector on ``device``."""
-        mine = values if self.everything else [values[i] for i in self.indices]
-        if self.scalar_tensors:
-            return torch.stack(mine).detach().to(device, torch.float64)
-        if self.same_tensors:
-            return torch.cat([v.detach().reshape(-1) for v in mine]).to(device, torch.float64)
-        parts: list[torch.Tensor] = []
-        scalars: list[float] = []
-        for leaf, value in zip(self.leaves, mine, strict=True):
-            if leaf.kind != TENSOR and not leaf.shape:
-                scalars.append(float(value))
-                continue
-            if scalars:
-                parts.append(torch.tensor(scalars, dtype=torch.float64, device=device))
-                scalars = []
-            tensor = value if leaf.kind == TENSOR else torch.from_numpy(np.asarray(value))
-            parts.append(tensor.detach().reshape(-1).to(device, torch.float64))
-        if scalars:
-            parts.append(torch.tensor(scalars, dtype=torch.float64, device=device))
-        if not parts:
-            return torch.zeros(0, dtype=torch.float64, device=device)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def unpack(self, reduced: torch.Tensor, results: list[Any]) -> None:
-        """Cut ``reduced`` (float64, in leaf order) back into leaves of their own kinds."""
-        if self.one_target is not None:  # scalar tensors, one result dtype: one unbind
-            dtype, device = self.one_target
-            rounded = reduced if dtype.is_floating_point else reduced.round()
-            unbound = rounded.to(device, dtype, copy=True).unbind(0)
-            if self.everything:
-                results[:] = unbound
-            else:
-                for index, value in zip(self.indices, unbound, strict=True):
-                    results[index] = value
-            return
-        host = reduced.cpu()
-        as_list = host.tolist() if host.numel() <= 4096 else None
-        offset = 0
-        for index, leaf, target, count in zip(
-            self.indices, self.leaves, self.targets, self.numels, strict=True
-        ):
-            if leaf.kind == TENSOR:
-                shaped = reduced[offset : offset + count].reshape(leaf.shape)
-                if not target.is_floating_point:
-                    shaped = shaped.round()
-                results[index] = shaped.to(leaf.device, target, copy=True)
-            elif leaf.shape:  # a NumPy array
-                array = host[offset : offset + count].numpy().reshape(leaf.shape)
-                results[index] = _cast_array(array, target)
-            else:
-                number = as_list[offset] if as_list is not None else host[offset].item()
-                if leaf.kind == PYTHON:
-                    results[index] = _python_number(number, target)
-                else:
-                    results[index] = target.type(_python_number(number, _py_type(target)))
-            offset += count
-
-
-@dataclass
 class Plan:
     """Everything about reducing one structure that does not depend on its values."""
 
@@ -229,97 +174,116 @@ class Plan:
     rebuild: Callable[[Sequence[Any]], Any]
     ops: list[str]
     weights: list[int | None]
-    summed: Group  # mean and sum leaves (and weights): the one buffer with the header
-    others: dict[str, Group]  # "max" / "min" / "prod": one buffer each, only when used
-    lines: list[str]
-    fingerprints: tuple[int, int]
-    weighted: bool
-    uniform: str | None  # "mean" or "sum" when every summed leaf is that, unweighted
-    constants: dict[Any, torch.Tensor] = field(default_factory=dict)  # headers, padding
-
-    def constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A tensor that only depends on ``key`` (made once; never mutated)."""
-        tensor = self.constants.get(key)
-        if tensor is None:
-            tensor = self.constants[key] = make()
-        return tensor
+    wires: list[Wire]
+    lines: list[str]  # the canonical description every rank compares
+    targets: list[Any]
 
     @classmethod
-    def make(cls, obj: Any, op: OpSpec, weight: str | None, site: str) -> tuple[Plan, list[Any]]:
+    def make(cls, obj: Any, op: OpSpec, weight: str | None, world: int) -> tuple[Plan, list[Any]]:
         leaves, values, rebuild = flatten(obj)
-        ops = _leaf_ops(leaves, op, weight)
+        ops = leaf_ops(leaves, op, weight)
         weights: list[int | None] = [None] * len(leaves)
         if weight is not None:
             weights = _weights(leaves, ops, weight)
-        lines = describe(leaves, ops)
-        others = {
-            name: Group.of([i for i, o in enumerate(ops) if o == name], leaves, ops)
-            for name in SEPARATE_OPS
-            if name in ops
-        }
-        plan = cls(
-            leaves,
-            rebuild,
-            ops,
-            weights,
-            Group.of([i for i, o in enumerate(ops) if o in ("mean", "sum")], leaves, ops),
-            others,
-            lines,
-            _fingerprints(lines, site, weight),
-            any(w is not None for w in weights),
-            _uniform([ops[i] for i, w in enumerate(weights) if ops[i] in ("mean", "sum")], weights),
-        )
-        return plan, values
+        lines = [f"weight={weight!r}", *describe(leaves, ops)]
+        wires = _layout(leaves, ops, weights, world)
+        targets = [_target(leaf, o) for leaf, o in zip(leaves, ops, strict=True)]
+        for wire in wires:
+            wire.prepare(leaves, targets)
+        return cls(leaves, rebuild, ops, weights, wires, lines, targets), values
 
-    def divisors(self, reduced: torch.Tensor, world: int) -> torch.Tensor | float:
-        """What each reduced sum is divided by: 1 (sum), the world size or the total weight."""
-        group = self.summed
-        ops = [self.ops[i] for i in group.indices]
-        if self.uniform == "mean":
-            return float(world)
-        if self.uniform == "sum":
-            return 1.0
-        starts = dict(zip(group.indices, np.cumsum([0, *group.numels[:-1]]).tolist(), strict=True))
-        weight_starts = [starts[w] for i in group.indices if (w := self.weights[i]) is not None]
-        totals = iter(reduced[weight_starts].tolist() if weight_starts else [])
-        per_leaf = [
-            1.0 if op == "sum" else float(world) if self.weights[i] is None else next(totals)
-            for i, op in zip(group.indices, ops, strict=True)
-        ]
-        factors = torch.tensor(per_leaf, dtype=torch.float64, device=reduced.device)
-        return torch.repeat_interleave(factors, torch.tensor(group.numels, device=reduced.device))
+    def pack(self, values: Sequence[Any], device: torch.device) -> list[torch.Tensor]:
+        """One new buffer per wire."""
+        return [wire.pack(values, device) for wire in self.wires]
+
+    def unpack(self, reduced: Sequence[torch.Tensor], world: int) -> Any:
+        """The result, rebuilt from every wire's reduced buffer."""
+        totals: dict[int, float] = {}  # a total weight of 0: 0/0 = NaN
+        for weight in {w for w in self.weights if w is not None}:
+            for wire, buffer in zip(self.wires, reduced, strict=True):
+                for slot in wire.slots:
+                    if slot.leaf == weight:
+                        totals[weight] = wire.total(buffer, slot)
+        results: list[Any] = [None] * len(self.leaves)
+        for wire, buffer in zip(self.wires, reduced, strict=True):
+            wire.unpack(buffer, results, world, totals)
+        return self.rebuild(results)
 
 
-def _uniform(summed_ops: list[str], weights: list[int | None]) -> str | None:
-    """ "mean" or "sum" when one unweighted divisor fits every summed leaf (or there are none)."""
-    if not summed_ops:
-        return "sum"
-    if any(w is not None for w in weights) or len(set(summed_ops)) != 1:
-        return None
-    return summed_ops[0]
+def _layout(
+    leaves: Sequence[Leaf], ops: Sequence[str], weights: Sequence[int | None], world: int
+) -> list[Wire]:
+    """Which leaves travel in which wire, in which dtype: a function of the structure only."""
+    members: dict[tuple[str, torch.dtype], list[tuple[int, int]]] = {}  # -> [(leaf, pieces)]
+    summed_floats = {
+        _wire_float(leaf)
+        for leaf, op, w in zip(leaves, ops, weights, strict=True)
+        if op in ("mean", "sum") and w is None and _torch_dtype(leaf).is_floating_point
+    }
+    if any(w is not None for w in weights):
+        summed_floats.add(torch.float64)
+    host = next((d for d in (torch.float64, torch.float32) if d in summed_floats), None)
+    for index, (leaf, op, weight) in enumerate(zip(leaves, ops, weights, strict=True)):
+        own = _torch_dtype(leaf)
+        wire_op = "sum" if op in ("mean", "sum") else op
+        pieces = 1
+        if weight is not None:
+            dtype = torch.float32 if _wire_float(leaf) == torch.float32 else torch.float64
+        elif own.is_floating_point:
+            dtype = _wire_float(leaf)
+        elif wire_op == "sum" and host is not None:
+            dtype, pieces = host, _pieces(host, world)
+        else:
+            dtype = torch.int64
+        members.setdefault((wire_op, dtype), []).append((index, pieces))
+    order = [
+        (wire_op, dtype)
+        for wire_op in _WIRE_OPS
+        for dtype in (*_FLOAT_ORDER, torch.int64)
+        if (wire_op, dtype) in members
+    ]
+    if order and order[0][0] == "prod" and not order[0][1].is_floating_point:
+        order.insert(0, ("sum", torch.float64))  # 2**ranks would overflow an int64 flag
+        members[("sum", torch.float64)] = []
+    if not order:
+        order, members = [("sum", torch.float64)], {("sum", torch.float64): []}
+    wires = []
+    for position, (wire_op, dtype) in enumerate(order):
+        flag = position == 0
+        start = int(flag)
+        slots = []
+        bits = _bits(dtype, world)
+        plain_first = sorted(members[(wire_op, dtype)], key=lambda member: member[1] > 1)
+        for index, pieces in plain_first:  # the integers in pieces last: cut and joined at once
+            count = math.prod(leaves[index].shape)
+            slots.append(Slot(index, start, count, pieces, weights[index], ops[index] == "mean"))
+            start += count * pieces
+        nan_marker = wire_op in ("max", "min") and dtype.is_floating_point
+        wires.append(Wire(wire_op, dtype, slots, start + nan_marker, flag, nan_marker, bits))
+    return wires
 
 
-def plan_key(structure: Any, op: OpSpec, weight: str | None) -> Any:
+def _wire_float(leaf: Leaf) -> torch.dtype:
+    """A floating leaf's wire dtype: its own, or float64 for a small one.
+
+    Small leaves (scalars, short vectors) cost latency, not bandwidth: in
+    float64 their sum over ranks is exact before it is rounded once to the
+    leaf's dtype, and they share one wire with the Python floats and counts.
+    """
+    if math.prod(leaf.shape) < SMALL:
+        return torch.float64
+    return _torch_dtype(leaf)
+
+
+def _bits(dtype: torch.dtype, world: int) -> int:
+    """Bits per piece such that ``world`` pieces sum exactly in ``dtype``."""
+    return _MANTISSA.get(dtype, 0) - world.bit_length()
+
+
+def _pieces(dtype: torch.dtype, world: int) -> int:
+    return -(-64 // _bits(dtype, world))
+
+
+def plan_key(structure: Any, op: OpSpec, weight: str | None, world: int) -> Any:
     ops = tuple(sorted(op.items())) if isinstance(op, Mapping) else op
-    return (structure, ops, weight)
-
-
-def _py_type(dtype: np.dtype[Any]) -> type:
-    return bool if dtype.kind == "b" else int if dtype.kind in "iu" else float
-
-
-def _python_number(value: float, kind: Any) -> Any:
-    if kind is float or not math.isfinite(value):
-        return float(value)
-    if kind is bool:
-        return bool(value)
-    return round(value)
-
-
-def _cast_array(array: np.ndarray[Any, Any], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    result: np.ndarray[Any, Any]
-    if dtype.kind in "iub" and np.isfinite(array).all():
-        result = np.rint(array).astype(dtype)
-    else:  # NaN or inf cannot become integers: keep floats
-        result = array.astype(dtype if dtype.kind == "f" else np.float64)
-    return result
+    return (structure, ops, weight, world)

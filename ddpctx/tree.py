@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,12 +69,15 @@ def signature(node: Any, values: list[Any]) -> Hashable | None:
         children = list(node.values())
         if all(type(child) is torch.Tensor for child in children):  # the usual metrics dict
             values.extend(children)
-            return (dict, tuple(node), tuple((c.dtype, c.shape, c.device) for c in children))
+            return (dict, tuple(node), tuple([(c.dtype, c.shape, c.device) for c in children]))
         keys = tuple(signature(child, values) for child in children)
         return None if None in keys else (dict, tuple(node), keys)
     if isinstance(node, torch.Tensor):
         values.append(node)
         return (TENSOR, node.dtype, node.shape, node.device)
+    if isinstance(node, (np.ndarray, np.generic)):  # before float: np.float64 is a float
+        values.append(node)
+        return (type(node), node.dtype, np.shape(node))
     if isinstance(node, (bool, int, float)):
         values.append(node)
         return (PYTHON, type(node).__name__)
@@ -83,19 +87,18 @@ def signature(node: Any, values: list[Any]) -> Hashable | None:
     if isinstance(node, (list, tuple)):
         keys = tuple(signature(child, values) for child in node)
         return None if None in keys else (type(node), keys)
-    if isinstance(node, (np.ndarray, np.generic)):
-        values.append(node)
-        return (type(node), node.dtype, np.shape(node))
     return None
 
 
 def _describe_leaf(value: Any) -> tuple[str, str, tuple[int, ...], Any, torch.device | None]:
     if isinstance(value, torch.Tensor) and _numeric_dtype(value):
         return TENSOR, str(value.dtype), tuple(value.shape), value.dtype, value.device
+    if isinstance(value, (np.ndarray, np.generic)):  # before float: np.float64 is a float
+        if _numeric_dtype(value):
+            return NUMPY, str(value.dtype), tuple(np.shape(value)), value.dtype, None
+        raise TypeError
     if isinstance(value, (bool, int, float)):
         return PYTHON, type(value).__name__, (), type(value), None
-    if isinstance(value, (np.ndarray, np.generic)) and _numeric_dtype(value):
-        return NUMPY, str(value.dtype), tuple(np.shape(value)), value.dtype, None
     raise TypeError
 
 
@@ -110,10 +113,12 @@ def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], 
         """Record the leaves; return a template: an index into leaves, or a container."""
         if isinstance(node, dict):
             inner = (*parents, id(node))
-            return (
-                type(node),
-                [(k, walk(v, f"{path}[{k!r}]", (*keys, k), inner, k)) for k, v in node.items()],
-            )
+            children = [
+                (k, walk(v, f"{path}[{k!r}]", (*keys, k), inner, k)) for k, v in node.items()
+            ]
+            if isinstance(node, defaultdict):
+                return (_Refill(type(node), node.default_factory), children)
+            return (type(node), children)
         if isinstance(node, (list, tuple)):
             children = [walk(v, f"{path}[{i}]", keys, parents, None) for i, v in enumerate(node)]
             return (type(node), children)
@@ -140,12 +145,14 @@ def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], 
             if isinstance(node, int):
                 return new_values[node]
             container, children = node
+            if isinstance(container, _Refill):
+                return container.kind(container.factory, [(k, build(c)) for k, c in children])
             if issubclass(container, dict):
-                items = [(key, build(child)) for key, child in children]
-                try:
-                    return container(items)
-                except TypeError:  # e.g. defaultdict: no plain constructor
-                    return dict(items)
+                items = {key: build(child) for key, child in children}
+                try:  # a mapping, not pairs: Counter(pairs) would count the pairs
+                    return items if container is dict else container(items)
+                except TypeError:  # no plain constructor: a plain dict
+                    return items
             built = [build(child) for child in children]
             if issubclass(container, tuple) and hasattr(container, "_fields"):
                 return container(*built)
@@ -154,6 +161,14 @@ def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], 
         return build(template)
 
     return leaves, values, rebuild
+
+
+@dataclass(frozen=True)
+class _Refill:
+    """A defaultdict's type and factory, to rebuild it as itself."""
+
+    kind: type[defaultdict[Any, Any]]
+    factory: Callable[[], Any] | None
 
 
 def _short(value: Any) -> str:

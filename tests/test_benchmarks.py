@@ -26,10 +26,19 @@ def load_runner() -> ModuleType:
 
 def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
     runner = load_runner()
-    samples = launch(runner.reduction_rank, ["1", "8"], 1, 2, True, world_size=2, timeout=120)[0]
+    samples = launch(
+        runner.reduction_rank, ["1", "8", runner.MIXED], 1, 2, True, world_size=2, timeout=120
+    )[0]
     table = runner.format_reduction(samples)
     assert table[0].startswith("| contender | 1 metric | 8 metrics |")
     assert any(line.startswith("| ddpctx @all_reduced |") for line in table)
     training = launch(runner.training_rank, 1, 2, world_size=2, timeout=120)[0]
-    assert set(training) == {"hand-written loop", "ddpctx loop"}
+    assert set(training) == {"hand-written loop", "ddpctx loop", "ddpctx loop, async_op"}
     assert all(len(times) == 1 and times[0] > 0 for times in training.values())
+
+
+def test_the_per_call_cpu_cost_row_runs() -> None:
+    runner = load_runner()
+    cpu = runner.per_call_cpu(1, 2)
+    assert "ddpctx @all_reduced" in cpu
+    assert all(len(times) == 1 and times[0] > 0 for times in cpu.values())

@@ -11,6 +11,7 @@ import torch
 from typing_extensions import assert_type
 
 from ddpctx import all_reduced, rank_zero_only
+from ddpctx.collectives import Reduction
 
 
 @rank_zero_only
@@ -43,12 +44,19 @@ def evaluate(batch: int) -> dict[str, float]:
     return {"loss": 1.0, "count": float(batch)}
 
 
+@all_reduced(async_op=True)
+def step_loss(value: float) -> float:
+    return value
+
+
 assert_type(log("hi", level=2), int | None)  # other ranks get None
 assert_type(describe(3), str)  # str | str: the default is a str too
 assert_type(run_name("exp"), str)  # broadcast: every rank gets rank 0's str
 assert_type(save("ckpt.pt"), None)
 assert_type(loss(0.5), torch.Tensor)
 assert_type(evaluate(4), dict[str, float])
+assert_type(step_loss(0.5), Reduction[float])  # async_op=True: a handle
+assert_type(step_loss(0.5).result(), float)
 
 log(42)  # type: ignore[arg-type]
 run_name(prefix=3)  # type: ignore[arg-type]
