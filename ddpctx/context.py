@@ -83,6 +83,7 @@ from ddpctx.group import (
     destroy_group_bounded,
     init_group,
     record_for_torchrun,
+    should_record,
 )
 from ddpctx.packing import OpSpec
 from ddpctx.rankzero import Place, on_rank_zero, zero_first
@@ -501,7 +502,7 @@ class DistributedSession:
         tb: TracebackType | None,
     ) -> Literal[False]:
         try:
-            if isinstance(exc, Exception):
+            if exc is not None and should_record(exc):
                 record_for_torchrun(exc, os.environ)
         finally:
             self.close()

@@ -50,7 +50,7 @@ from ddpctx.collectives import (
 from ddpctx.context import current
 from ddpctx.env import detect_launch
 from ddpctx.packing import OpSpec
-from ddpctx.rankzero import Place, on_rank_zero, zero_first
+from ddpctx.rankzero import Place, on_rank_zero, running_alone, zero_first
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -140,7 +140,10 @@ def rank_zero_only(
             place = whoami()
             mine = place.is_zero(local)
             if not (barrier or broadcast):
-                return func(*args, **kwargs) if mine else default
+                if not mine:
+                    return default
+                with running_alone("function"):  # nested waits must not wait for others
+                    return func(*args, **kwargs)
             ran, value = on_rank_zero(
                 place, lambda: func(*args, **kwargs), broadcast=broadcast, local=local
             )

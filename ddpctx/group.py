@@ -34,7 +34,8 @@ from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
 from ddpctx.env import LaunchInfo
-from ddpctx.errors import is_follow_on
+from ddpctx.errors import describe, is_follow_on
+from ddpctx.signals import SIGTERM_STATUS
 
 #: How long exit waits for ``destroy_process_group`` before giving up on it.
 DESTROY_TIMEOUT_S = 30.0
@@ -147,22 +148,44 @@ def destroy_group_bounded() -> None:
         )
 
 
+def should_record(exc: BaseException | None) -> bool:
+    """Whether an exception leaving ``distributed()`` is a failure worth recording.
+
+    Every exception, ``KeyboardInterrupt`` and a ``SystemExit`` with a failing
+    status (``sys.exit(1)``, ``sys.exit("message")``, SIGTERM's 143) are;
+    ``sys.exit()`` / ``sys.exit(0)`` and ``GeneratorExit`` are not.
+
+    >>> [should_record(e) for e in (ValueError(), SystemExit(0), SystemExit(2), None)]
+    [True, False, True, False]
+    """
+    if isinstance(exc, SystemExit):
+        return exc.code not in (None, 0)
+    return isinstance(exc, (Exception, KeyboardInterrupt))
+
+
+def is_follow_on_exit(exc: BaseException) -> bool:
+    """A consequence of another rank's failure: a peer-caused error, or the launcher's SIGTERM."""
+    if isinstance(exc, SystemExit):
+        return exc.code == SIGTERM_STATUS
+    return is_follow_on(describe(exc))
+
+
 def record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None:
     """Write ``exc`` where torchrun looks for a worker's error (torch's ``@record`` format).
 
     torchrun names as root cause the failure with the smallest timestamp, in
-    whole seconds. A rank whose collective failed because a peer died usually
-    fails within the same second as that peer; its record is dated one second
-    later so the rank that failed first is the one named.
+    whole seconds. A rank that fails because a peer failed (see
+    :mod:`ddpctx.errors`), or that was stopped by the launcher's SIGTERM,
+    usually fails within the same second as that peer; its record is dated
+    one second later so the rank that failed first is the one named.
     """
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    follow_on = isinstance(exc, RuntimeError) and is_follow_on(str(exc))
-    timestamp = int(time.time()) + (1 if follow_on else 0)
+    timestamp = int(time.time()) + (1 if is_follow_on_exit(exc) else 0)
     data = {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            "message": describe(exc),
             "extraInfo": {
                 "py_callstack": "".join(
                     traceback.format_exception(type(exc), exc, exc.__traceback__)

@@ -10,6 +10,13 @@ With ``local=True`` "rank 0" means local rank 0 of each node; the outcome of
 each node's local main is then shared with one ``all_gather_object``, with no
 per-node subgroups to create.
 
+Rank-zero work inside rank-zero work: while (local) rank 0 runs a
+rank-zero function, the other ranks are not running it, so a nested call with
+``barrier`` / ``broadcast`` must not wait for them: it simply runs (there is
+nothing to synchronise with). Inside a ``rank_zero_first`` block the others
+run the block later, so a nested wait can never be matched: it is refused
+with an error that reaches every rank through the outer block.
+
 This module sits below :mod:`ddpctx.context`: callers say who they are with a
 :class:`Place`.
 
@@ -25,6 +32,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import pickle
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -86,6 +95,45 @@ class Outcome:
         return self.value
 
 
+class _Alone(threading.local):
+    """What this thread is running on its own: ``"function"`` (a rank-zero function's
+    body) or ``"first"`` (the first run of a ``rank_zero_first`` block), innermost last."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+
+_alone = _Alone()
+
+
+@contextlib.contextmanager
+def running_alone(kind: str) -> Iterator[None]:
+    """Mark the enclosed code as run by this rank alone (see the module docstring).
+
+    >>> with running_alone("function"):
+    ...     inside_rank_zero_work()
+    'function'
+    """
+    _alone.kinds.append(kind)
+    try:
+        yield
+    finally:
+        _alone.kinds.pop()
+
+
+def inside_rank_zero_work() -> str | None:
+    """``"function"`` or ``"first"`` while rank-zero work runs on this thread, else None."""
+    return _alone.kinds[-1] if _alone.kinds else None
+
+
+def _refuse_inside_first(what: str) -> None:
+    raise RuntimeError(
+        f"{what} was called inside a rank_zero_first block. Rank 0 runs that block before "
+        "the other ranks, so they can never wait for it there and the job would hang. "
+        "Call it before or after the block."
+    )
+
+
 @dataclass(frozen=True)
 class Place:
     """Who this process is, as far as rank-zero logic needs to know."""
@@ -106,7 +154,12 @@ def share(outcome: Outcome | None, place: Place, local: bool) -> tuple[Outcome, 
     their outcome, the others None. It doubles as the barrier.
     """
     if place.world_size == 1 or not dist.is_initialized():
-        assert outcome is not None
+        if outcome is None:  # a rank other than 0 with nobody to wait for
+            raise RuntimeError(
+                f"rank {place.rank} cannot wait for rank 0: no process group is initialised "
+                "(the rank comes from the environment, e.g. RANK). Call this inside "
+                "`with distributed():`, or after torch.distributed.init_process_group()."
+            )
         return outcome, place.rank
     if not local:
         return broadcast_object(outcome, src=0), 0
@@ -127,12 +180,30 @@ def on_rank_zero(
 
     The others get rank 0's value when ``broadcast`` (else None), or raise
     :class:`RankZeroError` if ``work`` raised there; rank 0 re-raises its own.
+    A value rank 0 cannot send (it does not pickle) is a failure on every rank.
+    Nested in other rank-zero work, see the module docstring.
     """
+    nested = inside_rank_zero_work()
+    if nested == "first":
+        _refuse_inside_first("a rank-zero function with barrier=True or broadcast=True")
+    if nested == "function":
+        if place.is_zero(local):
+            return True, work()
+        if broadcast:
+            raise RuntimeError(
+                f"a rank_zero_only(broadcast=True) function was called on rank {place.rank} "
+                "inside a function that only a local rank 0 runs; global rank 0 is not "
+                "there to send its result. Call it outside, or give the outer one local=False."
+            )
+        return False, None
     if not place.is_zero(local):
         outcome, source = share(None, place, local)
         return False, outcome.result(source)
     try:
-        value = work()
+        with running_alone("function"):
+            value = work()
+        if broadcast:
+            pickle.dumps(value)  # refused here, so the others learn of it below
     except Exception as error:
         share(Outcome.failure(error), place, local)
         raise
@@ -143,8 +214,11 @@ def on_rank_zero(
 @contextlib.contextmanager
 def zero_first(place: Place, local: bool) -> Iterator[None]:
     """The block runs on (local) rank 0 first, then on the others; a failure reaches all."""
-    if place.world_size == 1 or not dist.is_initialized():
-        yield
+    nested = inside_rank_zero_work()
+    if nested == "first":
+        _refuse_inside_first("rank_zero_first")
+    if nested == "function" or place.world_size == 1 or not dist.is_initialized():
+        yield  # alone already (or alone in the job): nobody to go first for
         return
     if not place.is_zero(local):
         outcome, source = share(None, place, local)
@@ -152,7 +226,8 @@ def zero_first(place: Place, local: bool) -> Iterator[None]:
         yield
         return
     try:
-        yield
+        with running_alone("first"):
+            yield
     except Exception as error:
         share(Outcome.failure(error), place, local)
         raise

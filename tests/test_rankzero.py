@@ -1,0 +1,179 @@
+"""Rank-zero work that cannot leave the other ranks waiting: nesting, unpicklable
+results, no group, and which rank a failure is blamed on."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpctx import RankZeroError, distributed, rank_zero_first, rank_zero_only
+from ddpctx.context import DistContext
+from ddpctx.errors import describe, is_follow_on
+from ddpctx.group import is_follow_on_exit, record_for_torchrun, should_record
+
+RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=30)
+FAST = 10.0  # seconds: an error on every rank, not a wait for the collective timeout
+
+
+def raises_everywhere(fn: Any, error: type[BaseException]) -> BaseException:
+    started = time.monotonic()
+    with pytest.raises(error) as raised:
+        fn()
+    assert time.monotonic() - started < FAST
+    return raised.value
+
+
+@RANKS
+def test_a_barrier_function_called_inside_a_broadcast_function_is_correct(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    @rank_zero_only(barrier=True)
+    def write(path: Path) -> str:
+        path.write_text("written")
+        return "inner"
+
+    @rank_zero_only(broadcast=True)
+    def save_and_name() -> str:
+        write(tmp_path / "model.txt")
+        return "run-7"
+
+    # Before: the others took the inner barrier's message as the outer result
+    # (None), then the job deadlocked.
+    assert save_and_name() == "run-7"
+    assert (tmp_path / "model.txt").read_text() == "written"
+    dist_ctx.barrier()  # everyone is still in step
+
+
+@RANKS
+def test_a_broadcast_function_called_inside_a_plain_rank_zero_function_runs(
+    dist_ctx: DistContext,
+) -> None:
+    @rank_zero_only(broadcast=True)
+    def inner() -> int:
+        return 5
+
+    @rank_zero_only
+    def outer() -> int:
+        return inner() + 1
+
+    assert outer() == (6 if dist_ctx.rank == 0 else None)
+    assert rank_zero_only(broadcast=True)(lambda: "after")() == "after"
+
+
+@RANKS
+def test_a_wait_inside_rank_zero_first_is_refused_on_every_rank(dist_ctx: DistContext) -> None:
+    @rank_zero_only(barrier=True)
+    def write() -> None:
+        pass
+
+    def block() -> None:
+        with rank_zero_first():
+            write()
+
+    if dist_ctx.rank == 0:
+        error = raises_everywhere(block, RuntimeError)
+        assert "inside a rank_zero_first block" in str(error)
+    else:
+        error = raises_everywhere(block, RankZeroError)
+        assert "inside a rank_zero_first block" in str(error)
+
+
+@RANKS
+def test_a_result_rank_zero_cannot_send_is_an_error_on_every_rank(
+    dist_ctx: DistContext,
+) -> None:
+    @rank_zero_only(broadcast=True)
+    def make_callback() -> Any:
+        return lambda: "local functions do not pickle"
+
+    if dist_ctx.rank == 0:
+        raises_everywhere(make_callback, Exception)
+    else:  # before: a wait for the whole collective timeout
+        error = raises_everywhere(make_callback, RankZeroError)
+        assert "pickle" in str(error)
+    assert rank_zero_only(broadcast=True)(lambda: 1)() == 1  # the group still works
+
+
+@pytest.mark.parametrize("options", [{"barrier": True}, {"broadcast": True}])
+def test_waiting_for_rank_zero_without_a_group_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, bool]
+) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    work = rank_zero_only(**options)(lambda: "ran")
+    with pytest.raises(RuntimeError, match="rank 1 cannot wait for rank 0: no process group"):
+        work()  # before: a bare AssertionError
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RankZeroError(0, "OSError", "disk full", "Traceback ..."),
+        RuntimeError("rank 1 could not reduce its result, so no rank can (rank 1: KeyError: 'x')"),
+        RuntimeError("rank 1 could not pickle its object, so nothing was sent (rank 1: ...)"),
+        RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5"),
+        SystemExit(143),
+    ],
+    ids=["rank-zero", "reduction", "pickle", "peer-gone", "sigterm"],
+)
+def test_errors_caused_by_another_rank_are_follow_ons(error: BaseException) -> None:
+    assert is_follow_on_exit(error)
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("bad shard"), OSError("disk full"), SystemExit(1), KeyboardInterrupt()]
+)
+def test_a_ranks_own_errors_are_not_follow_ons(error: BaseException) -> None:
+    assert not is_follow_on_exit(error)
+    assert not is_follow_on(describe(error))
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    message: dict[str, Any] = json.loads(path.read_text())["message"]
+    return message
+
+
+def test_a_follow_on_is_dated_after_the_failure_that_caused_it(tmp_path: Path) -> None:
+    own, follow_on = tmp_path / "rank1.json", tmp_path / "rank0.json"
+    record_for_torchrun(OSError("disk full"), {"TORCHELASTIC_ERROR_FILE": str(own)})
+    record_for_torchrun(
+        RankZeroError(1, "OSError", "disk full", ""), {"TORCHELASTIC_ERROR_FILE": str(follow_on)}
+    )
+    own_time = int(read_record(own)["extraInfo"]["timestamp"])
+    assert int(read_record(follow_on)["extraInfo"]["timestamp"]) > own_time
+
+
+@pytest.mark.parametrize(
+    ("raise_it", "expected"),
+    [
+        (lambda: sys.exit(3), "SystemExit: 3"),
+        (lambda: sys.exit("config not found"), "SystemExit: config not found"),
+        (lambda: (_ for _ in ()).throw(KeyboardInterrupt()), "KeyboardInterrupt"),
+    ],
+    ids=["exit-3", "exit-message", "ctrl-c"],
+)
+def test_a_failing_exit_is_written_to_torchruns_error_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, raise_it: Any, expected: str
+) -> None:
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises((SystemExit, KeyboardInterrupt)), distributed():
+        raise_it()
+    assert read_record(error_file)["message"].startswith(expected)  # before: no file
+
+
+@pytest.mark.parametrize("code", [0, None])
+def test_a_successful_exit_writes_no_error_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: int | None
+) -> None:
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit), distributed():
+        sys.exit(code)
+    assert not error_file.exists()
+    assert not should_record(SystemExit(code))
