@@ -62,6 +62,22 @@ def test_the_first_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert result.stdout.count("'count': 128") == 1  # reduced over both ranks, printed once
 
 
+def test_the_readme_launch_example_prints_its_result(tmp_path: Path) -> None:
+    (code,) = [code for where, code in BLOCKS if where.startswith("README") and "launch(" in code]
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "[0, 10]\n"
+
+
 @pytest.mark.parametrize("name", [n for n in ddpctx.__all__ if n != "__version__"])
 def test_every_public_name_has_a_docstring_with_an_example(name: str) -> None:
     documentation = getattr(ddpctx, name).__doc__ or ""
