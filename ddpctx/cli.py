@@ -127,10 +127,10 @@ def format_environment(report: dict[str, Any], *, header: bool = False) -> str:
     width = max(len(key) for key in report)
     lines = []
     if header:
-        lines.append(
-            f"== rank {report.get('rank')} of {report.get('world_size')} "
-            f"(local rank {report.get('local_rank')} on {report.get('host')}) =="
-        )
+        rank = report.get("rank", os.environ.get("RANK", "?"))  # "?" when detection failed
+        world = report.get("world_size", os.environ.get("WORLD_SIZE", "?"))
+        local = report.get("local_rank", os.environ.get("LOCAL_RANK", "?"))
+        lines.append(f"== rank {rank} of {world} (local rank {local} on {report.get('host')}) ==")
     lines += [f"{key:<{width}}  {value}" for key, value in report.items() if key != "environment"]
     lines.append("environment:" + ("" if report["environment"] else " (none of the variables set)"))
     lines += [f"  {name}={value}" for name, value in report["environment"].items()]
