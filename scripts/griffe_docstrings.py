@@ -4,8 +4,9 @@ The docstrings are written for ``help()`` and doctest: examples often stand
 alone (``>>>`` lines outside an ``Example:`` section) and cross-references use
 reStructuredText roles (``:func:`launch```). Markdown would run a doctest's
 lines into one paragraph and show the roles raw, so, for the site only, this
-extension fences stand-alone doctests as ``pycon`` code and turns roles into
-code spans. The docstrings themselves stay as they are.
+extension fences stand-alone doctests as ``pycon`` code, turns roles into
+code spans and drops reST's ``::`` literal-block markers. The docstrings
+themselves stay as they are.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ def markdown_docstring(text: str) -> str:
         if not (in_section or in_doctest or in_fence) and stripped.startswith(">>>"):
             out.append("```pycon")
             in_doctest = True
-        out.append(line if in_doctest else ROLE.sub(_role, line))
+        if not in_doctest:
+            line = ROLE.sub(_role, line)
+            if line.endswith("::") and not in_fence:  # reST's literal-block marker
+                line = line[:-1]
+        out.append(line)
     if in_doctest:
         out.append("```")
     return "\n".join(out)
