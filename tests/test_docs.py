@@ -37,6 +37,7 @@ BLOCKS = python_blocks()
 
 def test_the_documents_have_examples() -> None:
     assert len(BLOCKS) >= 7
+    assert sum("launch(" in code for where, code in BLOCKS if where.startswith("README")) == 1
 
 
 @pytest.mark.parametrize(("where", "code"), BLOCKS, ids=[where for where, _ in BLOCKS])
@@ -52,6 +53,8 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
         timeout=180,
     )
     assert result.returncode == 0, f"{where} failed:\n{result.stderr[-3000:]}"
+    if where.startswith("README") and "launch(" in code:  # the example shows its result
+        assert result.stdout == "[0, 10]\n"
 
 
 def test_the_first_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
@@ -60,22 +63,6 @@ def test_the_first_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     result = run_torchrun(script, nproc=2, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("'count': 128") == 1  # reduced over both ranks, printed once
-
-
-def test_the_readme_launch_example_prints_its_result(tmp_path: Path) -> None:
-    (code,) = [code for where, code in BLOCKS if where.startswith("README") and "launch(" in code]
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout == "[0, 10]\n"
 
 
 @pytest.mark.parametrize("name", [n for n in ddpctx.__all__ if n != "__version__"])
