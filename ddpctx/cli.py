@@ -2,14 +2,19 @@
 
 - ``ddpctx env [--json]``: what ddpctx detects here -- launcher, ranks, the
   backend and device ``distributed()`` would choose, GPUs, torch / CUDA /
-  NCCL / gloo versions, and the environment variables that steer them.
+  NCCL / gloo versions, and the environment variables that steer them. It
+  never forms a process group, so it also works when forming one is the
+  problem. Under torchrun every rank prints its own block, headed by its rank:
+  ranks differ in ``LOCAL_RANK`` and device, and across nodes in host and GPUs.
 - ``ddpctx check [--world-size N] [--sizes 1024,262144]``: starts N local
-  ranks with :func:`ddpctx.launch` (or, under torchrun, uses the job's ranks)
+  ranks with ``ddpctx.launch`` (or, under torchrun, uses the job's ranks)
   and checks every collective ddpctx relies on -- all_reduce, broadcast,
   all_gather, barrier, the object collectives and ``@all_reduced`` --
-  verifying the numbers, with latency and bandwidth per message size. Exits
-  non-zero, naming the collective, on any failure. The first thing to run on
-  a new cluster.
+  verifying the numbers, with latency and bandwidth per message size. Sizes
+  are float32 element counts; the table shows elements and bytes. A
+  ``GLOO_SOCKET_IFNAME`` that names no interface here is a failed check of
+  its own. Exits non-zero, naming what failed. The first thing to run on a
+  new cluster.
 
 Example:
     >>> describe_environment()["launcher"]
@@ -19,9 +24,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -53,6 +60,7 @@ def describe_environment() -> dict[str, Any]:
 
     report: dict[str, Any] = {
         "ddpctx": __version__,
+        "host": socket.gethostname(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
@@ -97,15 +105,89 @@ def describe_environment() -> dict[str, Any]:
     return report
 
 
-def _print_environment(report: dict[str, Any]) -> None:
+def format_environment(report: dict[str, Any], *, header: bool = False) -> str:
+    """``ddpctx env``'s text for ``report``; ``header=True`` starts it with the rank.
+
+    Under torchrun every rank prints its own block, so each block says whose
+    it is (and each is written at once, so blocks do not interleave).
+
+    Example:
+        >>> report = {"launcher": "torchrun", "rank": 1, "world_size": 2, "local_rank": 1,
+        ...           "host": "node7", "environment": {"RANK": "1"}}
+        >>> print(format_environment(report, header=True))
+        == rank 1 of 2 (local rank 1 on node7) ==
+        launcher     torchrun
+        rank         1
+        world_size   2
+        local_rank   1
+        host         node7
+        environment:
+          RANK=1
+    """
     width = max(len(key) for key in report)
-    for key, value in report.items():
-        if key == "environment":
-            continue
-        print(f"{key:<{width}}  {value}")
-    print("environment:" + ("" if report["environment"] else " (none of the variables set)"))
-    for name, value in report["environment"].items():
-        print(f"  {name}={value}")
+    lines = []
+    if header:
+        rank = report.get("rank", os.environ.get("RANK", "?"))  # "?" when detection failed
+        world = report.get("world_size", os.environ.get("WORLD_SIZE", "?"))
+        local = report.get("local_rank", os.environ.get("LOCAL_RANK", "?"))
+        lines.append(f"== rank {rank} of {world} (local rank {local} on {report.get('host')}) ==")
+    lines += [f"{key:<{width}}  {value}" for key, value in report.items() if key != "environment"]
+    lines.append("environment:" + ("" if report["environment"] else " (none of the variables set)"))
+    lines += [f"  {name}={value}" for name, value in report["environment"].items()]
+    return "\n".join(lines)
+
+
+def _in_a_multi_rank_job() -> bool:
+    """True when a launcher started this process as one of several ranks."""
+    for name in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return True
+    return False
+
+
+def interface_problems(value: str | None, interfaces: Sequence[str]) -> list[str]:
+    """What is wrong with a ``GLOO_SOCKET_IFNAME`` value, given this host's interfaces.
+
+    gloo takes one interface name or several separated by commas, and fails
+    to form a group (a raw ``enforce fail ... Unable to find address``) when
+    one of them does not exist here.
+
+    Example:
+        >>> interface_problems("eth0", ["lo", "eth0"])
+        []
+        >>> interface_problems("eth9", ["lo", "eth0"])  # doctest: +ELLIPSIS
+        ["GLOO_SOCKET_IFNAME='eth9': no network interface 'eth9' on this host ...]
+    """
+    if value is None:
+        return []
+    names = [name.strip() for name in value.split(",")]
+    missing = [name for name in names if name not in interfaces]
+    if not missing and all(names):
+        return []
+    return [
+        f"GLOO_SOCKET_IFNAME={value!r}: no network interface "
+        f"{', '.join(repr(name) for name in missing) or 'with an empty name'} on this host "
+        f"(interfaces here: {', '.join(interfaces) or 'none found'}), so gloo cannot form a "
+        "group. Set it to one of those (the one that reaches the other nodes), or unset it."
+    ]
+
+
+def _environment_rows() -> list[dict[str, Any]]:
+    """Checks of the environment itself, shown as rows of the ``check`` table."""
+    value = os.environ.get("GLOO_SOCKET_IFNAME")
+    if value is None:
+        return []
+    failures = interface_problems(value, [name for _, name in socket.if_nameindex()])
+    return [
+        {
+            "collective": "GLOO_SOCKET_IFNAME",
+            "elements": None,
+            "bytes": None,
+            "ok": not failures,
+            "failures": failures,
+        }
+    ]
 
 
 def _timed(operation: Callable[[], object], repeats: int) -> float:
@@ -136,7 +218,12 @@ def run_checks(sizes: Sequence[int], repeats: int = 10) -> list[dict[str, Any]]:
     def record(
         name: str, size: int, check: Callable[[], bool], operation: Callable[[], object]
     ) -> None:
-        row: dict[str, Any] = {"collective": name, "bytes": size * 4, "ok": False}
+        row: dict[str, Any] = {
+            "collective": name,
+            "elements": size or None,
+            "bytes": size * 4 or None,
+            "ok": False,
+        }
         try:
             row["ok"] = bool(check())
             seconds = _timed(operation, repeats)
@@ -214,14 +301,34 @@ def _merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return merged
 
 
-def _print_table(rows: list[dict[str, Any]], world_size: int, backend: str) -> None:
-    print(f"ddpctx check: {world_size} ranks, backend {backend}")
-    print(f"{'collective':26} {'bytes':>10} {'latency':>12} {'bandwidth':>12}  result")
+def format_table(rows: list[dict[str, Any]], world_size: int, backend: str) -> str:
+    """The ``check`` table: one row per check and size, float32 elements and bytes.
+
+    Example:
+        >>> row = {"collective": "all_reduce", "elements": 256, "bytes": 1024, "ok": True,
+        ...        "latency_ms": 0.25, "bandwidth_gbps": 0.004, "failures": []}
+        >>> print(format_table([row], 2, "gloo"))
+        ddpctx check: 2 ranks, backend gloo
+        collective                 elements      bytes      latency    bandwidth  result
+        all_reduce                      256       1024     0.250 ms    0.004 GB/s  ok
+    """
+
+    def line(*cells: object) -> str:
+        name, elements, size, latency, bandwidth, result = cells
+        return f"{name:26} {elements:>8} {size:>10} {latency:>12} {bandwidth:>12}  {result}"
+
+    lines = [
+        f"ddpctx check: {world_size} ranks, backend {backend}",
+        line("collective", "elements", "bytes", "latency", "bandwidth", "result"),
+    ]
     for row in rows:
         latency = f"{row['latency_ms']:9.3f} ms" if "latency_ms" in row else "-"
-        bandwidth = f"{row['bandwidth_gbps']:8.3f} GB/s" if row.get("bytes") else "-"
+        timed = row.get("bytes") and "bandwidth_gbps" in row
+        bandwidth = f"{row['bandwidth_gbps']:8.3f} GB/s" if timed else "-"
         result = "ok" if row["ok"] else "FAILED: " + "; ".join(row["failures"])
-        print(f"{row['collective']:26} {row['bytes']:>10} {latency:>12} {bandwidth:>12}  {result}")
+        elements, size = row.get("elements") or "-", row.get("bytes") or "-"
+        lines.append(line(row["collective"], elements, size, latency, bandwidth, result))
+    return "\n".join(lines)
 
 
 def _sizes(text: str) -> list[int]:
@@ -229,39 +336,120 @@ def _sizes(text: str) -> list[int]:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--sizes {text!r}: give element counts separated by commas, e.g. 1024,262144"
+            f"--sizes {text!r}: give float32 element counts separated by commas, e.g. 1024,262144"
         ) from None
     if not sizes or any(size < 1 for size in sizes):
-        raise argparse.ArgumentTypeError(f"--sizes {text!r}: each size must be a positive count")
+        raise argparse.ArgumentTypeError(
+            f"--sizes {text!r}: each size must be a positive element count, e.g. 1024,262144"
+        )
     return sizes
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddpctx", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    env = commands.add_parser("env", help="show what ddpctx detects here")
-    env.add_argument("--json", action="store_true", help="print JSON")
-    check = commands.add_parser("check", help="check every collective, with timings")
-    check.add_argument("--world-size", type=int, default=2, help="local ranks to start")
-    check.add_argument(
-        "--sizes", type=_sizes, default=[256, 65536, 1048576], help="float32 elements per message"
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown (not for flags), descriptions and examples kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0:  # a flag: "(default: False)" says nothing
+            return action.help
+        return super()._get_help_string(action)
+
+
+_DESCRIPTION = "Inspect and check the distributed set-up that ddpctx sees on this machine."
+
+_EXAMPLES = """\
+examples:
+  ddpctx env
+  ddpctx check --world-size 2 --sizes 256,65536
+  torchrun --nproc_per_node=8 -m ddpctx check    # the job's own ranks (NCCL on GPUs)
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ddpctx import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ddpctx",
+        description=_DESCRIPTION,
+        epilog=_EXAMPLES,
+        formatter_class=_HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"ddpctx {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{env,check}")
+    env = commands.add_parser(
+        "env",
+        help="what ddpctx detects: launcher, ranks, backend, device, GPUs, versions",
+        description="Show what ddpctx detects here: launcher, ranks, backend, device, GPUs,\n"
+        "versions, and the environment variables that steer them. It forms no process\n"
+        "group. Under torchrun every rank prints its own block, headed by its rank.",
+        formatter_class=_HelpFormatter,
+    )
+    env.add_argument(
+        "--json", action="store_true", help="print JSON (one line per rank under a launcher)"
+    )
+    check = commands.add_parser(
+        "check",
+        help="check every collective ddpctx relies on, with timings; non-zero exit on failure",
+        description="Check every collective ddpctx relies on, with latency and bandwidth, on\n"
+        "--world-size local ranks started here or, under torchrun, on the job's ranks.\n"
+        "Exits non-zero naming what failed.",
+        formatter_class=_HelpFormatter,
+    )
+    check.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help="local ranks to start (ignored under torchrun, which sets the ranks)",
+    )
+    check.add_argument(
+        "--sizes",
+        type=_sizes,
+        default="256,65536,1048576",
+        help="message sizes in float32 elements (4 bytes each), separated by commas",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     if args.command == "env":
         report = describe_environment()
+        several = _in_a_multi_rank_job()
         if args.json:
-            print(json.dumps(report, indent=2))
+            text = json.dumps(report) if several else json.dumps(report, indent=2)
         else:
-            _print_environment(report)
+            text = format_environment(report, header=several)
+        sys.stdout.write(text + "\n")  # one write: ranks' blocks do not interleave
+        sys.stdout.flush()
         return 0 if report.get("problem") is None else 1
 
     if args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be at least 1")
     from ddpctx import distributed, launch
+    from ddpctx.group import record_for_torchrun
 
+    environment = _environment_rows()
+    if any(not row["ok"] for row in environment):
+        # gloo would fail with a raw traceback on every rank: report it as a check instead.
+        # Under torchrun, local rank 0 reports and fails the job (and names the problem in
+        # torchrun's summary); the node's other ranks exit quietly, so that torchrun cannot
+        # stop the reporting rank before it has printed.
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return 0
+        world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+        print(format_table(environment, world_size, "none (ranks not started)"), flush=True)
+        print("FAILED: GLOO_SOCKET_IFNAME", file=sys.stderr)
+        record_for_torchrun(ValueError(environment[0]["failures"][0]), os.environ)
+        return 1
     if "RANK" in os.environ:  # already one of torchrun's ranks: check the job itself
-        with distributed() as ctx:
+        with contextlib.ExitStack() as stack:
+            try:
+                ctx = stack.enter_context(distributed())
+            except (ValueError, RuntimeError) as error:
+                print(f"ddpctx check: FAILED forming the process group: {error}", file=sys.stderr)
+                record_for_torchrun(error, os.environ)
+                return 1
             per_rank = _check_everywhere(args.sizes)
             world_size, backend, is_main = ctx.world_size, ctx.backend, ctx.is_main
     else:
@@ -270,9 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_rank = launch(_check_everywhere, args.sizes, world_size=args.world_size, timeout=300)[0]
         world_size, is_main = args.world_size, True
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    rows = _merge(per_rank)
+    rows = environment + _merge(per_rank)
     if is_main:
-        _print_table(rows, world_size, backend)
+        print(format_table(rows, world_size, backend))
     failed = [row["collective"] for row in rows if not row["ok"]]
     if failed and is_main:
         print(f"FAILED: {', '.join(dict.fromkeys(failed))}", file=sys.stderr)

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpctx.cli import _merge
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddpctx import __version__
+from ddpctx.cli import _merge, interface_problems
 from tests.helpers import REPO, child_env
 
 
@@ -21,6 +25,61 @@ def ddpctx(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
         env=child_env(**extra_env),
         cwd=REPO,
     )
+
+
+def ddpctx_under_torchrun(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node=2 -m ddpctx args``, bounded in time."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--monitor-interval=0.2",
+            "-m",
+            "ddpctx",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=child_env(**extra_env),
+        cwd=REPO,
+    )
+
+
+def table_row(table: str, name: str, elements: str) -> list[str]:
+    """The cells of the ``check`` table's row for ``name`` at ``elements``."""
+    for line in table.splitlines():
+        cells = line.split()
+        if line.startswith(name) and cells[len(name.split())] == elements:
+            return cells[len(name.split()) :]
+    raise AssertionError(f"no row {name} {elements} in:\n{table}")
+
+
+def test_help_is_plain_text_with_the_commands_and_examples() -> None:
+    result = ddpctx("--help")
+    assert result.returncode == 0, result.stderr
+    assert "``" not in result.stdout  # no reStructuredText markup leaking from docstrings
+    for text in ("env ", "check ", "--version", "examples:", "torchrun --nproc_per_node=8"):
+        assert text in result.stdout, text
+
+
+def test_check_help_shows_the_defaults_and_the_unit() -> None:
+    result = ddpctx("check", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "(default: 2)" in text
+    assert (
+        "float32 elements (4 bytes each), separated by commas (default: 256,65536,1048576)" in text
+    )
+
+
+def test_version_prints_the_package_version() -> None:
+    result = ddpctx("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"ddpctx {__version__}"
 
 
 def test_env_reports_a_single_process_here_as_json() -> None:
@@ -91,7 +150,9 @@ def test_check_verifies_every_collective_on_local_ranks() -> None:
         assert any(line.startswith(name) and line.endswith("ok") for line in table.splitlines()), (
             name
         )
-    assert "16384" in table  # 4096 float32 elements
+    assert table.splitlines()[1].split()[:3] == ["collective", "elements", "bytes"]
+    assert table_row(table, "all_reduce", "4096")[:2] == ["4096", "16384"]  # elements, bytes
+    assert table_row(table, "broadcast", "64")[:2] == ["64", "256"]
     assert "FAILED" not in table
 
 
@@ -130,4 +191,71 @@ def test_a_failure_on_any_rank_fails_that_collective_and_names_the_rank() -> Non
 def test_bad_sizes_are_refused() -> None:
     result = ddpctx("check", "--sizes", "abc")
     assert result.returncode == 2
-    assert "--sizes 'abc': give element counts separated by commas" in result.stderr
+    assert "--sizes 'abc': give float32 element counts separated by commas" in result.stderr
+
+
+@given(
+    interfaces=st.lists(
+        st.text("abcdefghij0123456789", min_size=1, max_size=6), min_size=1, unique=True
+    ),
+    data=st.data(),
+)
+def test_an_ifname_list_of_existing_interfaces_has_no_problem(
+    interfaces: list[str], data: st.DataObject
+) -> None:
+    chosen = data.draw(st.lists(st.sampled_from(interfaces), min_size=1))
+    assert interface_problems(",".join(chosen), interfaces) == []
+
+
+@given(
+    interfaces=st.lists(st.text("abcdefghij0123456789", min_size=1, max_size=6), unique=True),
+    missing=st.text("klmnopq", min_size=1, max_size=6),
+)
+def test_an_ifname_naming_a_missing_interface_is_a_problem_naming_it(
+    interfaces: list[str], missing: str
+) -> None:
+    value = ",".join([*interfaces[:1], missing])
+    (problem,) = interface_problems(value, interfaces)
+    assert problem.startswith(f"GLOO_SOCKET_IFNAME={value!r}: no network interface {missing!r}")
+    assert "or unset it" in problem
+
+
+def test_a_bad_gloo_ifname_is_a_failed_check_naming_it() -> None:
+    result = ddpctx("check", "--sizes", "8", GLOO_SOCKET_IFNAME="nosuch0")
+    assert result.returncode == 1
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("GLOO_SOCKET_IFNAME")]
+    assert "FAILED: GLOO_SOCKET_IFNAME='nosuch0': no network interface 'nosuch0'" in row
+    assert "Traceback" not in result.stderr
+
+
+def test_a_good_gloo_ifname_is_a_passing_check() -> None:
+    result = ddpctx("check", "--sizes", "8", GLOO_SOCKET_IFNAME="lo")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert table_row(result.stdout, "GLOO_SOCKET_IFNAME", "-")[-1] == "ok"
+
+
+def test_a_bad_gloo_ifname_under_torchrun_is_reported_once_without_a_raw_traceback() -> None:
+    result = ddpctx_under_torchrun("check", "--sizes", "8", GLOO_SOCKET_IFNAME="nosuch0")
+    assert result.returncode != 0
+    assert result.stdout.count("FAILED: GLOO_SOCKET_IFNAME='nosuch0'") == 1  # local rank 0
+    assert "enforce fail" not in result.stderr  # gloo's own error never reached
+    # torchrun's summary names the problem as the root cause, not `error_file: <N/A>`
+    assert "traceback : ValueError: GLOO_SOCKET_IFNAME='nosuch0'" in result.stderr
+
+
+def test_env_under_torchrun_heads_each_block_with_its_rank() -> None:
+    result = ddpctx_under_torchrun("env")
+    assert result.returncode == 0, result.stderr[-3000:]
+    blocks = result.stdout.split("== rank ")[1:]
+    assert sorted(block[:6] for block in blocks) == ["0 of 2", "1 of 2"]
+    for block in blocks:
+        rank = block.split()[0]
+        assert re.search(rf"^rank +{rank}$", block, re.MULTILINE), block
+        assert re.search(rf"^local_rank +{rank}$", block, re.MULTILINE), block
+
+
+def test_env_json_under_torchrun_is_one_document_per_rank_per_line() -> None:
+    result = ddpctx_under_torchrun("env", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(report["rank"] for report in reports) == [0, 1]

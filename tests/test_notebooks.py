@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, child_env
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
@@ -53,3 +55,19 @@ def test_testing_notebook_shows_pass_fail_and_hang(tmp_path: Path) -> None:
     assert "did not finish within 3 s" in text
     assert "--- rank 0 ---" in text
     assert "1 failed, 1 passed" in text  # the session went on after the hang
+
+
+def test_testing_notebook_without_pytest_stops_at_its_first_code_cell() -> None:
+    notebook = nbformat.read(REPO / "notebooks" / "testing.ipynb", as_version=4)
+    first = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    hide_pytest = "import sys\nsys.modules['pytest'] = None  # as if it were not installed\n"
+    result = subprocess.run(
+        [sys.executable, "-c", hide_pytest + first.source],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
+    assert result.returncode != 0
+    assert "ModuleNotFoundError: testing.ipynb needs pytest" in result.stderr
+    assert "pip install 'ddpctx[pytest]'" in result.stderr
