@@ -42,6 +42,10 @@ Launcher = Literal["torchrun", "slurm", "mpi", "single"]
 #: a rank stuck in a collective ends the job well before torch's own 30 minutes.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
+#: The accepted range of a timeout, in seconds: a millisecond to a year.
+MIN_TIMEOUT_S = 0.001
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
 #: Backends ddpctx knows how to pin a device for.
 KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
@@ -167,7 +171,7 @@ def _detect_env(environ: Mapping[str, str], rendezvous: bool) -> LaunchInfo:
                     f"and port of rank 0 to meet. Set MASTER_ADDR and MASTER_PORT, or launch "
                     f"with torchrun, which sets them."
                 )
-        master_addr = environ["MASTER_ADDR"].strip()
+        master_addr = _read_address(environ, "MASTER_ADDR")
         master_port = _read_port(environ, "MASTER_PORT")
     restarts = _optional_int(environ, "TORCHELASTIC_RESTART_COUNT", 0, fix)
     return LaunchInfo(
@@ -181,6 +185,23 @@ def _detect_env(environ: Mapping[str, str], rendezvous: bool) -> LaunchInfo:
         master_port=master_port,
         restart_count=restarts,
     )
+
+
+def _read_address(environ: Mapping[str, str], name: str) -> str:
+    """A host name or address that torch will read from ``environ`` as it is.
+
+    env:// takes the variable verbatim, so ``"127.0.0.1 "`` (what ``$(hostname
+    -I)`` gives) would be looked up with its space and never reached: refused.
+    """
+    raw = environ[name]
+    address = raw.strip()
+    if raw != address or any(c.isspace() for c in address):
+        raise ValueError(
+            f"{name}={raw!r} contains whitespace, which torch would take as part of the host "
+            f"name: no rank could reach it. Set {name}={address.split()[0]!r} (one address, "
+            "no spaces)."
+        )
+    return address
 
 
 def _read_port(environ: Mapping[str, str], name: str) -> int:
@@ -427,21 +448,32 @@ def resolve_timeout(timeout: float | timedelta | None, environ: Mapping[str, str
                 f"DDPCTX_TIMEOUT={raw!r} is not a number of seconds. Set it to e.g. 600, "
                 "or unset it for the default of 10 minutes."
             ) from None
-        if not seconds > 0:
-            raise ValueError(
-                f"DDPCTX_TIMEOUT={raw!r} must be a positive number of seconds. Set it to "
-                "e.g. 600, or unset it for the default of 10 minutes."
-            )
-        return timedelta(seconds=seconds)
+        return check_timeout(seconds, f"DDPCTX_TIMEOUT={raw!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
         raise ValueError(
             f"timeout={timeout!r} is not a number of seconds or a datetime.timedelta. "
             "Pass e.g. timeout=600 or timeout=timedelta(minutes=10)."
         )
-    result = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-    if result.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout!r} must be positive. Pass e.g. timeout=600.")
-    return result
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return check_timeout(seconds, f"timeout={timeout!r}")
+
+
+def check_timeout(seconds: float, setting: str) -> timedelta:
+    """``seconds`` as a timedelta, if within what torch and gloo accept; else a ValueError.
+
+    ``setting`` names where the value came from, e.g. ``"timeout=inf"``.
+
+    >>> check_timeout(90, "timeout=90")
+    datetime.timedelta(seconds=90)
+    """
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:  # also refuses NaN
+        raise ValueError(
+            f"{setting} is outside the accepted range of {MIN_TIMEOUT_S} s to "
+            f"{MAX_TIMEOUT_S:.0f} s (365 days): torch keeps timeouts as milliseconds, and "
+            "an endless wait is what the timeout exists to prevent. Pass e.g. 600 (10 "
+            "minutes), or leave it unset for the default."
+        )
+    return timedelta(seconds=seconds)
 
 
 def resolve_backend(requested: str | None, cuda_available: bool) -> str:

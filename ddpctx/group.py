@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import ipaddress
 import json
 import os
 import socket
@@ -36,6 +37,8 @@ from torch.distributed.rendezvous import rendezvous
 from ddpctx.env import LaunchInfo
 from ddpctx.errors import describe, is_follow_on
 from ddpctx.signals import SIGTERM_STATUS
+
+TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported, not re-declared
 
 #: How long exit waits for ``destroy_process_group`` before giving up on it.
 DESTROY_TIMEOUT_S = 30.0
@@ -89,18 +92,101 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
             store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not re-declared
             dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
         return
-    # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
-    url = (
-        "env://" if info.launcher == "torchrun" else f"tcp://{info.master_addr}:{info.master_port}"
-    )
-    store, _, _ = next(rendezvous(url, rank=info.rank, world_size=info.world_size, timeout=timeout))
+    if info.launcher == "torchrun":
+        # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
+        store, _, _ = next(
+            rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=timeout)
+        )
+    else:
+        store = host_store(info, timeout)
     store.set_timeout(timeout)
-    dist.init_process_group(
-        store=formation_store(store, info.rank),
-        rank=info.rank,
-        world_size=info.world_size,
-        **kwargs,
+    local_only = info.launcher != "torchrun" and _is_loopback(info.master_addr or "")
+    with loopback_gloo() if local_only else contextlib.nullcontext():
+        dist.init_process_group(
+            store=formation_store(store, info.rank),
+            rank=info.rank,
+            world_size=info.world_size,
+            **kwargs,
+        )
+
+
+def host_store(info: LaunchInfo, timeout: timedelta) -> Any:
+    """The rendezvous store for SLURM / Open MPI: rank 0 serves it, the others connect.
+
+    torch's TCPStore server listens on every interface whatever host it is
+    given. Rank 0 therefore binds the listening socket itself, to the address
+    ``MASTER_ADDR`` resolves to -- the one the other ranks connect to, and
+    loopback only when the whole job is on this machine -- and hands it over.
+    Where that address cannot be bound here, the store listens on all
+    interfaces as torch does, with a warning.
+    """
+    host, port = info.master_addr or "", info.master_port or 0
+    if info.rank != 0:
+        return TCPStore(host, port, info.world_size, False, timeout)
+    listener = _listen_on(host, port)
+    if listener is None:
+        store, _, _ = next(
+            rendezvous(tcp_url(info), rank=0, world_size=info.world_size, timeout=timeout)
+        )
+        return store
+    return TCPStore(
+        host,
+        port,
+        info.world_size,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns and closes it
     )
+
+
+def _listen_on(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``host``'s address only, or None (with a warning) if impossible."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as error:
+        reason = str(error)
+    else:
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(1024)
+            return listener
+        except OSError as error:
+            listener.close()
+            reason = str(error)
+    warnings.warn(
+        f"could not listen on MASTER_ADDR={host!r} port {port} only ({reason}); the rendezvous "
+        "store listens on every interface of this host instead. Set MASTER_ADDR to an "
+        "address of rank 0's host to keep it to that interface.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` resolves to loopback addresses only (then gloo stays on loopback too)."""
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(entry[4][0]).is_loopback for entry in found)
+
+
+def tcp_url(info: LaunchInfo) -> str:
+    """``tcp://host:port`` for rank 0's store; an IPv6 address goes in brackets.
+
+    >>> tcp_url(LaunchInfo("slurm", 0, 2, 0, 1, 0, master_addr="::1", master_port=29500))
+    'tcp://[::1]:29500'
+    """
+    host = info.master_addr or ""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{info.master_port}"
 
 
 def formation_store(store: Any, rank: int) -> Any:

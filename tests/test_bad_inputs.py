@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,14 @@ ROWS = [
         {**TORCHRUN, "MASTER_PORT": "70000"},
     ),
     Row(
+        "torchrun env",
+        "MASTER_ADDR='127.0.0.1 ' (as $(hostname -I) gives)",
+        ValueError,
+        "MASTER_ADDR='127.0.0.1 ' contains whitespace",
+        enter(),
+        {**TORCHRUN, "MASTER_ADDR": "127.0.0.1 "},
+    ),
+    Row(
         "environment",
         "DDPCTX_TIMEOUT=soon",
         ValueError,
@@ -263,7 +272,42 @@ ROWS = [
         "backend='tcp' is not a known backend",
         enter(backend="tcp"),
     ),
-    Row("distributed()", "timeout=0", ValueError, "timeout=0 must be positive", enter(timeout=0)),
+    Row(
+        "distributed()",
+        "timeout=0",
+        ValueError,
+        "timeout=0 is outside the accepted range",
+        enter(timeout=0),
+    ),
+    Row(
+        "distributed()",
+        "timeout=inf",
+        ValueError,
+        "timeout=inf is outside the accepted range of 0.001 s to 31536000 s",
+        enter(timeout=float("inf")),
+    ),
+    Row(
+        "distributed()",
+        "timeout=nan",
+        ValueError,
+        "timeout=nan is outside the accepted range",
+        enter(timeout=float("nan")),
+    ),
+    Row(
+        "distributed()",
+        "timeout=timedelta.max",
+        ValueError,
+        "is outside the accepted range of 0.001 s to 31536000 s",
+        enter(timeout=timedelta.max),
+    ),
+    Row(
+        "environment",
+        "DDPCTX_TIMEOUT=1e20",
+        ValueError,
+        "DDPCTX_TIMEOUT='1e20' is outside the accepted range",
+        enter(),
+        {"DDPCTX_TIMEOUT": "1e20"},
+    ),
     Row(
         "distributed()",
         "distributed() inside distributed()",

@@ -227,12 +227,12 @@ def test_timeout_default_argument_and_environment() -> None:
 @pytest.mark.parametrize(
     ("timeout", "environ", "expected"),
     [
-        (0, {}, "timeout=0 must be positive"),
-        (-3.5, {}, "timeout=-3.5 must be positive"),
+        (0, {}, "timeout=0 is outside the accepted range"),
+        (-3.5, {}, "timeout=-3.5 is outside the accepted range"),
         ("60", {}, "timeout='60' is not a number"),
         (True, {}, "timeout=True is not a number"),
         (None, {"DDPCTX_TIMEOUT": "soon"}, "DDPCTX_TIMEOUT='soon'"),
-        (None, {"DDPCTX_TIMEOUT": "-1"}, "DDPCTX_TIMEOUT='-1' must be a positive"),
+        (None, {"DDPCTX_TIMEOUT": "-1"}, "DDPCTX_TIMEOUT='-1' is outside the accepted range"),
     ],
 )
 def test_bad_timeouts(timeout: object, environ: dict[str, str], expected: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import subprocess
@@ -120,7 +121,44 @@ def test_slurm_variables_form_a_group(tmp_path: Path, tasks_per_node: str) -> No
         assert record["local_world_size"] == (1 if two_nodes else 2)
 
 
-def test_open_mpi_variables_form_a_group(tmp_path: Path) -> None:
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.rsplit(":", 1)[0]).is_loopback
+
+
+def test_a_one_node_slurm_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    job_id = str(40000 + free_port() % 20000)
+    environ = {
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_ID": job_id,
+    }
+    ranks = [
+        start({**environ, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}, tmp_path)
+        for rank in range(2)
+    ]
+    wait_all(ranks, timeout=120)
+    for record in records(tmp_path, 2):
+        assert record["listening"], "expected the store and gloo to listen somewhere"
+        # Before: the store listened on every interface ("0.0.0.0:<port>").
+        assert all(is_loopback(a) for a in record["listening"]), record["listening"]
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def test_open_mpi_variables_form_a_group(tmp_path: Path, address: str) -> None:
+    if address == "::1" and not ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this machine")
     port = str(free_port())
     ranks = [
         start(
@@ -129,7 +167,7 @@ def test_open_mpi_variables_form_a_group(tmp_path: Path) -> None:
                 "OMPI_COMM_WORLD_SIZE": "3",
                 "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
                 "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
-                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_ADDR": address,  # before: IPv6 broke the tcp:// URL
                 "MASTER_PORT": port,
             },
             tmp_path,
@@ -140,3 +178,4 @@ def test_open_mpi_variables_form_a_group(tmp_path: Path) -> None:
     found = records(tmp_path, 3)
     assert [r["launcher"] for r in found] == ["mpi"] * 3
     assert [r["sum"] for r in found] == [6.0] * 3
+    assert all(is_loopback(a) for r in found for a in r["listening"])

@@ -1,6 +1,7 @@
 """What every rank sees under a multi-node (or SLURM / MPI) launch; writes <out>/rank<R>.json."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ddpctx import all_reduced, distributed, rank_zero_first, rank_zero_only
+from tests.helpers import listening_addresses
 
 out = Path(sys.argv[1])
 with distributed(seed=0) as ctx:
@@ -35,5 +37,6 @@ with distributed(seed=0) as ctx:
         "marker_existed": first_seen,
         "sum": total.item(),
         "mean": all_reduced(lambda: float(ctx.rank))(),
+        "listening": listening_addresses(os.getpid()),
     }
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(record))
