@@ -184,13 +184,14 @@ def exit_on_sigterm(rank: int) -> Callable[[], None] | None:
     return restore
 
 
-def record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None:
+def record_for_torchrun(exc: BaseException, environ: Mapping[str, str], note: str = "") -> None:
     """Write ``exc`` where torchrun looks for a worker's error (torch's ``@record`` format).
 
     torchrun names as root cause the failure with the smallest timestamp, in
     whole seconds. A rank whose collective failed because a peer died usually
     fails within the same second as that peer; its record is dated one second
-    later so the rank that failed first is the one named.
+    later so the rank that failed first is the one named. ``note`` (e.g. a hang
+    report printed earlier) is appended to the message.
     """
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -199,7 +200,7 @@ def record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None:
     timestamp = int(time.time()) + (1 if follow_on else 0)
     data = {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            "message": f"{type(exc).__name__}: {exc}" + (f"\n\n{note}" if note else ""),
             "extraInfo": {
                 "py_callstack": "".join(
                     traceback.format_exception(type(exc), exc, exc.__traceback__)
