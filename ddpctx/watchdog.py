@@ -211,11 +211,19 @@ class Watchdog:
         self.tracker.failure = error
         record_for_torchrun(error, os.environ)
         main = threading.main_thread()
-        if main.ident is not None:
+        # A main thread in a tracked wait raises from the wrapper when the wait ends;
+        # others get the exception at their next Python instruction.
+        if main.ident is not None and self.tracker.op is None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(main.ident), ctypes.py_object(_raising(report))
             )
-        if self._stop.wait(RAISE_GRACE_S):
+        # A rank outside collectives that has not raised is stuck in native code: it goes
+        # first, which fails its peers' collectives, whose wrappers then raise. When every
+        # rank waits (different collectives), the highest rank goes first.
+        grace = RAISE_GRACE_S
+        if self.tracker.op is not None:
+            grace = 2 * RAISE_GRACE_S + TICK_S * (self.exchange.world_size - 1 - self.rank)
+        if self._stop.wait(grace):
             return  # the main thread raised and left the context
         print(
             f"ddpctx: rank {self.rank} is blocked in native code and cannot raise HangError; "
@@ -238,6 +246,7 @@ def _raising(report: str) -> type[HangError]:
             super().__init__(*(args or (report,)))
 
     RaisedHangError.__name__ = RaisedHangError.__qualname__ = "HangError"
+    RaisedHangError.__module__ = HangError.__module__
     return RaisedHangError
 
 

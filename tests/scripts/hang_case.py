@@ -45,10 +45,10 @@ with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
         if ctx.rank == 1:
             evaluate()  # EVALUATE
         else:
-            ctx.barrier()  # BARRIER
+            ctx.barrier()  # DIVERGE-BARRIER
     elif case == "raw":
         if ctx.rank == 0:
-            time.sleep(late)  # SLEEP
+            time.sleep(late)  # RAW-SLEEP
         dist.all_reduce(torch.ones(1))  # RAW
     elif case == "ddp":
         model = ctx.wrap(torch.nn.Linear(4, 1))
