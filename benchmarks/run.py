@@ -7,7 +7,8 @@ Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
    Lightning Fabric's all_reduce on the dict, Accelerate's reduce
    (PartialState(cpu=True)), Ignite's idist.all_reduce per metric.
 2. Training step: the same small DDP model and data, a hand-written loop vs
-   ctx.wrap / ctx.dataloader / @all_reduced per step.
+   ctx.wrap / ctx.dataloader / @all_reduced per step; the ddpctx loop with the
+   hang doctor off, on (hang_timeout=60) and in debug mode (debug=True).
 3. Start-up and teardown: `with distributed()` vs init_process_group +
    destroy_process_group, one process and 2 ranks (under torchrun).
 4. Import cost: `import ddpctx` (with its torch-using modules) vs `import torch`.
@@ -139,6 +140,7 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from ddpctx import all_reduced, current
+    from ddpctx.watchdog import Doctor, HangSettings
 
     ctx = current()
     assert ctx is not None
@@ -180,21 +182,34 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
         optimizers["ddpctx"].step()
         step_loss(loss.detach())
 
-    times: dict[str, list[float]] = {"hand-written loop": [], "ddpctx loop": []}
+    # The ranks run with DDPCTX_HANG_TIMEOUT=0; the doctor is started around its rows only.
+    doctors = {
+        "hand-written loop": None,
+        "ddpctx loop": None,
+        "ddpctx loop, hang doctor on": HangSettings(60.0, "report", False),
+        "ddpctx loop, debug=True": HangSettings(0.0, "report", True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in doctors}
     for round_index in range(rounds):
         hand_sampler.set_epoch(round_index)
         epochs = ctx.epochs(round_index + 1, start=round_index)
         next(epochs)  # set_epoch on ddpctx's loader
-        for name, loader, step in (
-            ("hand-written loop", hand_loader, hand_step),
-            ("ddpctx loop", ours_loader, ours_step),
-        ):
+        contenders = list(doctors.items())
+        shift = round_index % len(contenders)  # rotate, so no row always runs first
+        for name, settings in contenders[shift:] + contenders[:shift]:
+            hand = name == "hand-written loop"
+            loader, step = (hand_loader, hand_step) if hand else (ours_loader, ours_step)
             ctx.barrier()
+            doctor = None
+            if settings is not None:
+                doctor = Doctor(settings, ctx.rank, ctx.world_size, ctx.device.type == "cuda")
             batches = iter(loader)
             started = time.perf_counter()
             for _ in range(steps):
                 step(*next(batches))
             times[name].append((time.perf_counter() - started) / steps)
+            if doctor is not None:
+                doctor.stop()
     return times
 
 
@@ -366,9 +381,13 @@ def main() -> None:
         say(line)
 
     say("\n## 2. Training step overhead (median seconds per step)\n")
-    training = launch(
-        training_rank, rounds, 20 if quick else 40, world_size=args.world_size, timeout=900
-    )[0]
+    os.environ["DDPCTX_HANG_TIMEOUT"] = "0"  # the doctor is timed on its own rows
+    try:
+        training = launch(
+            training_rank, rounds, 20 if quick else 40, world_size=args.world_size, timeout=900
+        )[0]
+    finally:
+        del os.environ["DDPCTX_HANG_TIMEOUT"]
     hand, ours = (statistics.median(training[k]) for k in ("hand-written loop", "ddpctx loop"))
     paired = statistics.median(
         o / h for o, h in zip(training["ddpctx loop"], training["hand-written loop"], strict=True)
@@ -380,6 +399,16 @@ def main() -> None:
     say(
         f"\nddpctx / hand-written: {ours / hand:.3f}x "
         f"(paired per round: {paired:.3f}x; target <= 1.05x)"
+    )
+    say("\n| ddpctx loop | median per step | paired ratio to hang doctor off |\n|---|---:|---:|")
+    for name in ("ddpctx loop", "ddpctx loop, hang doctor on", "ddpctx loop, debug=True"):
+        ratio = statistics.median(
+            t / off for t, off in zip(training[name], training["ddpctx loop"], strict=True)
+        )
+        label = name.removeprefix("ddpctx loop").lstrip(", ") or "hang doctor off"
+        say(f"| {label} | {statistics.median(training[name]) * 1e3:.3f} ms | {ratio:.3f}x |")
+    say(
+        "\n(target for the hang doctor: <= 1.01x; debug mode adds a tiny all-gather per collective)"
     )
 
     say("\n## 3. Start-up and teardown (median)\n")

@@ -30,8 +30,7 @@ This module knows torch and nothing of :mod:`ddpctx.context`.
 
 Example:
     >>> tracker = Tracker()
-    >>> with tracker.waiting("barrier()"):
-    ...     tracker.op
+    >>> tracker.run("barrier()", lambda: tracker.op)
     'barrier()'
     >>> tracker.op is None, tracker.completed
     (True, 1)
@@ -46,7 +45,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -139,21 +138,16 @@ class Tracker:
     since: float = 0.0
     entered: int = 0  # collectives entered, this rank's sequence number
     completed: int = 0
-    last_completed: float = field(default_factory=time.monotonic)
     gpu_pending: tuple[Any, str, float] | None = None  # (CUDA event, op, since)
     failure: HangError | None = None  # set by the watchdog under on_hang="raise"
     ddp_sync_pending: bool = False
 
-    @contextlib.contextmanager
-    def waiting(self, op: str) -> Iterator[None]:
-        """Mark the block as a wait in ``op``; nested waits keep the outer one."""
-        if self.op is not None:
-            yield
-            return
+    def run(self, op: str, call: Callable[[], Any]) -> Any:
+        """``call()``, marked as a wait in ``op`` (the wrappers inline the same steps)."""
         self.op, self.since = op, time.monotonic()
         self.entered += 1
         try:
-            yield
+            return call()
         except Exception as error:
             if self.failure is not None:  # the hang was reported; the peers are going
                 raise self.failure from error
@@ -161,7 +155,6 @@ class Tracker:
         finally:
             self.op = None
             self.completed += 1
-            self.last_completed = time.monotonic()
 
     def waited(self, now: float) -> tuple[str | None, float]:
         """``(op, seconds)`` this rank has waited in, counting GPU work not yet finished."""
@@ -184,7 +177,7 @@ def install(tracker: Tracker, *, debug: bool, cuda: bool) -> Callable[[], None]:
     Only from the main thread: other threads' collectives (e.g. a user's
     background all-reduce) are passed through untracked.
     """
-    main = threading.main_thread()
+    main = threading.main_thread().ident
     originals: dict[tuple[Any, str], Any] = {}
 
     def replace(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
@@ -210,18 +203,29 @@ def _collective(
     original: Callable[..., Any],
     debug: bool,
     cuda: bool,
-    main: threading.Thread,
+    main: int | None,
 ) -> Callable[..., Any]:
     label = f"{name}()"
+    monotonic, get_ident = time.monotonic, threading.get_ident
 
+    # The steps of Tracker.run, inlined: this runs on every collective of the job.
     @functools.wraps(original)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("async_op") or threading.current_thread() is not main or tracker.op:
+        if tracker.op is not None or get_ident() != main or kwargs.get("async_op"):
             return original(*args, **kwargs)
-        with tracker.waiting(label):
+        tracker.op, tracker.since = label, monotonic()
+        tracker.entered += 1
+        try:
             if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
                 check_lockstep(name, tracker.entered, sys._getframe(1))
             result = original(*args, **kwargs)
+        except Exception as error:
+            if tracker.failure is not None:  # the hang was reported; the peers are going
+                raise tracker.failure from error
+            raise
+        finally:
+            tracker.op = None
+            tracker.completed += 1
         if cuda:
             _note_gpu_work(tracker, label)
         return result
@@ -230,15 +234,16 @@ def _collective(
 
 
 def _backward(
-    tracker: Tracker, original: Callable[..., Any], cuda: bool, main: threading.Thread
+    tracker: Tracker, original: Callable[..., Any], cuda: bool, main: int | None
 ) -> Callable[..., Any]:
+    get_ident = threading.get_ident
+
     @functools.wraps(original)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if not tracker.ddp_sync_pending or threading.current_thread() is not main:
+        if not tracker.ddp_sync_pending or tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
         tracker.ddp_sync_pending = False
-        with tracker.waiting(DDP_BACKWARD):
-            result = original(*args, **kwargs)
+        result = tracker.run(DDP_BACKWARD, lambda: original(*args, **kwargs))
         if cuda:
             _note_gpu_work(tracker, DDP_BACKWARD)
         return result

@@ -357,7 +357,8 @@ class RankPool:
             for rank in stuck
         )
         finished = ", ".join(str(rank) for rank in sorted(outcomes)) or "none"
-        diagnoses = re.findall(r"^diagnosis: .*$", read_from(self._directory / "rank0.err", 0), re.M)
+        rank0_err = read_from(self._directory / "rank0.err", 0)
+        diagnoses = re.findall(r"^diagnosis: .*$", rank0_err, re.MULTILINE)
         return RankTimeoutError(
             f"ranks {', '.join(map(str, stuck))} did not finish within {timeout:g} s "
             f"(finished: {finished}). {diagnoses[-1] + ' ' if diagnoses else ''}"

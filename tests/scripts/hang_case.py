@@ -1,4 +1,4 @@
-"""One rank misbehaves on purpose so the hang doctor reports it: ``hang_case.py CASE SECONDS [ON_HANG]``.
+"""A rank misbehaves on purpose for the hang doctor: ``hang_case.py CASE SECONDS [ON_HANG]``.
 
 Cases (``SECONDS`` is ``hang_timeout``; a late rank comes back after ``4 * SECONDS + 4`` s,
 so ``on_hang="report"`` jobs end successfully):
