@@ -118,7 +118,13 @@ def user_site(frame: FrameType | None) -> str:
 
 
 def short_path(filename: str) -> str:
-    """A path relative to the working directory when it lies below it."""
+    """An installed package's path from the package on; else relative to the working directory.
+
+    >>> short_path("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py")
+    'torch/distributed/distributed_c10d.py'
+    """
+    if "-packages/" in filename:
+        return filename.rsplit("-packages/", 1)[1]
     with contextlib.suppress(ValueError):
         relative = Path(filename).resolve().relative_to(Path.cwd())
         return str(relative)

@@ -346,3 +346,24 @@ def test_a_report_has_a_headline_a_line_per_rank_a_diagnosis_and_the_stacks(
     ]
     assert lines[1 + len(answers)].startswith("diagnosis: ")
     assert lines.count("--- rank 0 ---") == (answers[0] is not None)
+
+
+# --- the example that hangs on purpose, and the README's copy of its report ---------------
+
+
+def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> None:
+    result = run_torchrun(REPO / "examples" / "hang.py", nproc=2, timeout=150)
+    assert result.returncode != 0
+    produced = report_of(result.stderr.split("[rank")[0])
+    readme = (REPO / "README.md").read_text()
+    shown = readme.split("```text\nddpctx hang report:", 1)[1].split("```", 1)[0]
+    shown_lines = ("ddpctx hang report:" + shown).splitlines()
+
+    def without_seconds(lines: list[str]) -> list[str]:
+        return [re.sub(r"\d+ s\b", "N s", line) for line in lines]
+
+    # Headline, a line per rank and the diagnosis: the same, up to the seconds waited.
+    assert without_seconds(produced[:4]) == without_seconds(shown_lines[:4])
+    assert "diagnosis: ranks are in different collectives" in produced[3]
+    root_cause = result.stderr.split("Root Cause (first observed failure)", 1)[1]
+    assert "HangError: ddpctx hang report:" in root_cause
