@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -267,10 +268,16 @@ class Doctor:
         if settings.hang_timeout > 0:
             try:
                 store = c10d._get_default_store()
-                self._watchdog = Watchdog(settings, tracker, store, rank, world_size).start()
-            except Exception:
-                self.stop()
-                raise
+                self._watchdog = Watchdog(settings, tracker, store, rank, world_size)
+            except Exception as error:  # a group without a reachable store: watch nothing
+                warnings.warn(
+                    f"ddpctx's hang doctor is off for this block: the process group's store "
+                    f"cannot be used ({error!r}). Pass hang_timeout=0 to silence this.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            else:
+                self._watchdog.start()
 
     @property
     def reports(self) -> list[str]:

@@ -7,6 +7,7 @@ and every test is bounded in time.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -367,3 +368,16 @@ def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> No
     assert "diagnosis: ranks are in different collectives" in produced[3]
     root_cause = result.stderr.split("Root Cause (first observed failure)", 1)[1]
     assert "HangError: ddpctx hang report:" in root_cause
+
+
+def test_a_report_printed_earlier_is_appended_to_the_error_torchrun_shows(tmp_path: Path) -> None:
+    from ddpctx.group import record_for_torchrun
+
+    error_file = tmp_path / "error.json"
+    record_for_torchrun(
+        ValueError("bad"),
+        {"TORCHELASTIC_ERROR_FILE": str(error_file)},
+        note="ddpctx hang report: x",
+    )
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message == "ValueError: bad\n\nddpctx hang report: x"
