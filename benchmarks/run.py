@@ -9,8 +9,9 @@ Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
    Also a float32 tensor with integer counts ("mixed").
 2. Training step: the same small DDP model and data, a hand-written loop vs
    ctx.wrap / ctx.dataloader / @all_reduced per step, synchronous and with
-   async_op=True (each step's loss read one step later). 2b: per-call CPU
-   cost in one process, @all_reduced vs torch.stack(...).tolist().
+   async_op=True (each step's loss read one step later); the ddpctx loop also
+   with the hang doctor on (hang_timeout=60) and in debug mode (debug=True).
+   2b: per-call CPU cost in one process, @all_reduced vs torch.stack(...).tolist().
 3. Start-up and teardown: `with distributed()` vs init_process_group +
    destroy_process_group, one process and 2 ranks (under torchrun).
 4. Import cost: `import ddpctx` (with its torch-using modules) vs `import torch`.
@@ -150,6 +151,7 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from ddpctx import all_reduced, current
+    from ddpctx.watchdog import Doctor, HangSettings
 
     ctx = current()
     assert ctx is not None
@@ -207,21 +209,30 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
         if len(pending) > 1:  # log the previous step's loss, one step later
             pending.pop(0).result()
 
-    times: dict[str, list[float]] = {
-        "hand-written loop": [],
-        "ddpctx loop": [],
-        "ddpctx loop, async_op": [],
+    # The ranks run with DDPCTX_HANG_TIMEOUT=0; the doctor is started around its rows only.
+    doctors = {
+        "hand-written loop": None,
+        "ddpctx loop": None,
+        "ddpctx loop, async_op": None,
+        "ddpctx loop, hang doctor on": HangSettings(60.0, "report", False),
+        "ddpctx loop, debug=True": HangSettings(0.0, "report", True),
     }
+    times: dict[str, list[float]] = {name: [] for name in doctors}
     for round_index in range(rounds):
         hand_sampler.set_epoch(round_index)
         epochs = ctx.epochs(round_index + 1, start=round_index)
         next(epochs)  # set_epoch on ddpctx's loader
-        for name, loader, step in (
-            ("hand-written loop", hand_loader, hand_step),
-            ("ddpctx loop", ours_loader, ours_step),
-            ("ddpctx loop, async_op", ours_loader, async_step),
-        ):
+        contenders = list(doctors.items())
+        shift = round_index % len(contenders)  # rotate, so no row always runs first
+        for name, settings in contenders[shift:] + contenders[:shift]:
+            hand = name == "hand-written loop"
+            loader, step = (hand_loader, hand_step) if hand else (ours_loader, ours_step)
+            if name == "ddpctx loop, async_op":
+                step = async_step
             ctx.barrier()
+            doctor = None
+            if settings is not None:
+                doctor = Doctor(settings, ctx.rank, ctx.world_size, ctx.device.type == "cuda")
             batches = iter(loader)
             started = time.perf_counter()
             for _ in range(steps):
@@ -229,6 +240,8 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
             while pending:
                 pending.pop(0).result()
             times[name].append((time.perf_counter() - started) / steps)
+            if doctor is not None:
+                doctor.stop()
     return times
 
 
@@ -435,9 +448,13 @@ def main() -> None:
         say(line)
 
     say("\n## 2. Training step overhead (median seconds per step)\n")
-    training = launch(
-        training_rank, rounds, 20 if quick else 40, world_size=args.world_size, timeout=900
-    )[0]
+    os.environ["DDPCTX_HANG_TIMEOUT"] = "0"  # the doctor is timed on its own rows
+    try:
+        training = launch(
+            training_rank, rounds, 20 if quick else 40, world_size=args.world_size, timeout=900
+        )[0]
+    finally:
+        del os.environ["DDPCTX_HANG_TIMEOUT"]
     hand = training["hand-written loop"]
     say("| loop | median per step | / hand-written (paired per round) |\n|---|---:|---:|")
     for name, target in (
@@ -449,6 +466,16 @@ def main() -> None:
         say(
             f"| {name} | {statistics.median(training[name]) * 1e3:.3f} ms | {paired:.3f}x{target} |"
         )
+    say("\n| ddpctx loop | median per step | paired ratio to hang doctor off |\n|---|---:|---:|")
+    for name in ("ddpctx loop", "ddpctx loop, hang doctor on", "ddpctx loop, debug=True"):
+        ratio = statistics.median(
+            t / off for t, off in zip(training[name], training["ddpctx loop"], strict=True)
+        )
+        label = name.removeprefix("ddpctx loop").lstrip(", ") or "hang doctor off"
+        say(f"| {label} | {statistics.median(training[name]) * 1e3:.3f} ms | {ratio:.3f}x |")
+    say(
+        "\n(target for the hang doctor: <= 1.01x; debug mode adds a tiny all-gather per collective)"
+    )
 
     say("\n## 2b. Per-call CPU cost, one process, 32 scalar tensors (median)\n")
     cpu = per_call_cpu(10 if quick else 30, 200)

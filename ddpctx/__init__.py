@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     )
     from ddpctx.context import DistContext, DistributedSession, current, distributed
     from ddpctx.decorators import all_reduced, rank_zero_first, rank_zero_only
+    from ddpctx.inflight import HangError
     from ddpctx.launcher import RankError, RankTimeoutError, launch
     from ddpctx.rankzero import RankZeroError
     from ddpctx.report import get_logger, progress
@@ -47,6 +48,7 @@ _HOMES = {
     "all_reduced": "ddpctx.decorators",
     "rank_zero_first": "ddpctx.decorators",
     "rank_zero_only": "ddpctx.decorators",
+    "HangError": "ddpctx.inflight",
     "RankError": "ddpctx.launcher",
     "RankTimeoutError": "ddpctx.launcher",
     "launch": "ddpctx.launcher",
@@ -58,6 +60,7 @@ _HOMES = {
 __all__ = [
     "DistContext",
     "DistributedSession",
+    "HangError",
     "RankError",
     "RankTimeoutError",
     "RankZeroError",

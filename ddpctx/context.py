@@ -69,6 +69,7 @@ from ddpctx.collectives import (
     all_reduce_tree,
     broadcast_object,
     check_op,
+    comm_device,
 )
 from ddpctx.data import epochs, make_dataloader
 from ddpctx.env import (
@@ -85,6 +86,7 @@ from ddpctx.group import (
     record_for_torchrun,
     should_record,
 )
+from ddpctx.inflight import torch_detail_debug
 from ddpctx.packing import OpSpec
 from ddpctx.rankzero import Place, on_rank_zero, zero_first
 from ddpctx.report import bar_on_main
@@ -96,6 +98,7 @@ from ddpctx.seeding import (
     validate_seed,
 )
 from ddpctx.signals import exit_on_sigterm
+from ddpctx.watchdog import Doctor, HangSettings, resolve_hang_settings
 
 T = TypeVar("T")
 
@@ -217,6 +220,33 @@ class DistContext:
         [0]
         """
         return all_gather_objects(obj)
+
+    def any(self, flag: object) -> bool:
+        """True on every rank if ``flag`` is true on any rank (one tiny collective).
+
+        Decide data-dependent skips and early stops together, so that no rank
+        takes a branch the others do not (the commonest cause of a hang).
+
+        >>> with distributed() as ctx:
+        ...     ctx.any(False), ctx.any(True)
+        (False, True)
+        """
+        return self._agree(flag, dist.ReduceOp.MAX)
+
+    def all(self, flag: object) -> bool:
+        """True on every rank if ``flag`` is true on every rank (one tiny collective).
+
+        >>> with distributed() as ctx:
+        ...     ctx.all(True)
+        True
+        """
+        return self._agree(flag, dist.ReduceOp.MIN)
+
+    def _agree(self, flag: object, op: Any) -> bool:
+        vote = torch.tensor([1.0 if flag else 0.0], device=comm_device())
+        if self.world_size > 1:
+            dist.all_reduce(vote, op=op)
+        return bool(vote.item())
 
     def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager[None]:
         """Rank 0 (local rank 0 with ``local=True``) runs the block first, then the others.
@@ -411,6 +441,9 @@ def distributed(
     backend: str | None = None,
     timeout: float | timedelta | None = None,
     deterministic: bool = False,
+    hang_timeout: float | None = None,
+    on_hang: Literal["report", "raise"] = "report",
+    debug: bool = False,
 ) -> DistributedSession:
     """Set up (and always tear down) distributed training for the block.
 
@@ -422,6 +455,16 @@ def distributed(
             ``DDPCTX_TIMEOUT`` seconds if set, else 10 minutes.
         deterministic: turn on ``torch.use_deterministic_algorithms`` and the
             cuDNN flags for the block, restoring the previous flags on exit.
+        hang_timeout: seconds a rank may wait in one collective before every
+            rank's stack is collected and rank 0 prints a hang report
+            (:mod:`ddpctx.watchdog`). Default: ``DDPCTX_HANG_TIMEOUT`` if set,
+            else a fifth of ``timeout``, at most 300. ``0`` turns it off.
+        on_hang: ``"report"`` (print the report, keep waiting) or ``"raise"``
+            (every rank raises :class:`~ddpctx.HangError` carrying the report).
+        debug: check before every collective that all ranks are in the same one
+            (one extra tiny collective each), and turn on torch's
+            ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for a group formed here. Also
+            ``DDPCTX_DEBUG=collectives``.
 
     The same script runs under ``torchrun``, under ``srun`` and as a plain
     ``python script.py`` (world size 1).
@@ -431,7 +474,9 @@ def distributed(
         ...     ctx.seed
         42
     """
-    return DistributedSession(seed, backend, timeout, deterministic)
+    return DistributedSession(
+        seed, backend, timeout, deterministic, hang=(hang_timeout, on_hang, debug)
+    )
 
 
 @dataclass(frozen=True)
@@ -442,6 +487,7 @@ class _Plan:
     timeout: timedelta
     seed: int | None
     adopted: bool
+    hang: HangSettings
 
 
 class DistributedSession:
@@ -460,8 +506,11 @@ class DistributedSession:
         backend: str | None,
         timeout: float | timedelta | None,
         deterministic: bool,
+        hang: tuple[object, object, object] = (None, "report", False),
     ) -> None:
         self._seed = seed
+        self._hang = hang
+        self._doctor: Doctor | None = None
         self._backend = backend
         self._timeout = timeout
         self._deterministic = deterministic
@@ -475,13 +524,19 @@ class DistributedSession:
                 "would form a second process group. Use the context you have, or "
                 "ddpctx.current() to reach it from deeper code."
             )
-        plan = _make_plan(self._seed, self._backend, self._timeout, os.environ)
+        plan = _make_plan(self._seed, self._backend, self._timeout, os.environ, self._hang)
         with contextlib2.ExitStack() as stack:  # unwinds everything if a step fails
             if plan.device.type == "cuda":
                 torch.cuda.set_device(plan.device)
             if not plan.adopted:
-                init_group(plan.info, plan.backend, plan.device, plan.timeout)
+                with torch_detail_debug(plan.hang.debug):
+                    init_group(plan.info, plan.backend, plan.device, plan.timeout)
                 stack.callback(destroy_group_bounded)
+            doctor = Doctor(
+                plan.hang, plan.info.rank, plan.info.world_size, cuda=plan.device.type == "cuda"
+            )
+            stack.callback(doctor.stop)  # before the group is destroyed
+            self._doctor = doctor
             restore_handler = exit_on_sigterm(plan.info.rank)
             if restore_handler is not None:
                 stack.callback(restore_handler)
@@ -503,7 +558,8 @@ class DistributedSession:
     ) -> Literal[False]:
         try:
             if exc is not None and should_record(exc):
-                record_for_torchrun(exc, os.environ)
+                reports = self._doctor.reports if self._doctor is not None else []
+                record_for_torchrun(exc, os.environ, note="\n\n".join(reports))
         finally:
             self.close()
         return False
@@ -523,9 +579,11 @@ def _make_plan(
     backend: str | None,
     timeout: float | timedelta | None,
     environ: Mapping[str, str],
+    hang: tuple[object, object, object] = (None, "report", False),
 ) -> _Plan:
     """Every decision and every check, with no side effect."""
     resolved_timeout = resolve_timeout(timeout, environ)
+    hang_settings = resolve_hang_settings(*hang, resolved_timeout.total_seconds(), environ)
     cuda_available = torch.cuda.is_available()
     if dist.is_initialized():
         info, resolved_backend = _adopted_launch(backend, environ)
@@ -546,6 +604,7 @@ def _make_plan(
         timeout=resolved_timeout,
         seed=validate_seed(seed, info.world_size),
         adopted=dist.is_initialized(),
+        hang=hang_settings,
     )
 
 

@@ -256,14 +256,15 @@ def is_follow_on_exit(exc: BaseException) -> bool:
     return is_follow_on(describe(exc))
 
 
-def record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None:
+def record_for_torchrun(exc: BaseException, environ: Mapping[str, str], note: str = "") -> None:
     """Write ``exc`` where torchrun looks for a worker's error (torch's ``@record`` format).
 
     torchrun names as root cause the failure with the smallest timestamp, in
     whole seconds. A rank that fails because a peer failed (see
     :mod:`ddpctx.errors`), or that was stopped by the launcher's SIGTERM,
     usually fails within the same second as that peer; its record is dated
-    one second later so the rank that failed first is the one named.
+    one second later so the rank that failed first is the one named. ``note``
+    (e.g. a hang report printed earlier) is appended to the message.
     """
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -271,7 +272,7 @@ def record_for_torchrun(exc: BaseException, environ: Mapping[str, str]) -> None:
     timestamp = int(time.time()) + (1 if is_follow_on_exit(exc) else 0)
     data = {
         "message": {
-            "message": describe(exc),
+            "message": describe(exc) + (f"\n\n{note}" if note else ""),
             "extraInfo": {
                 "py_callstack": "".join(
                     traceback.format_exception(type(exc), exc, exc.__traceback__)

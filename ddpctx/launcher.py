@@ -45,6 +45,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -132,7 +133,11 @@ def _root_cause(outcomes: dict[int, Outcome]) -> Outcome | None:
     bad = [o for o in outcomes.values() if o.kind != "ok"]
     if not bad:
         return None
-    return min(bad, key=lambda o: (is_follow_on(o.error_text), o.finished))
+    # A hang report (HangError) explains the exits it caused on other ranks.
+    return min(
+        bad,
+        key=lambda o: (is_follow_on(o.error_text), "HangError" not in o.error_text, o.finished),
+    )
 
 
 def _worker_frames(dump: str) -> str:
@@ -352,9 +357,12 @@ class RankPool:
             for rank in stuck
         )
         finished = ", ".join(str(rank) for rank in sorted(outcomes)) or "none"
+        rank0_err = read_from(self._directory / "rank0.err", 0)
+        diagnoses = re.findall(r"^diagnosis: .*$", rank0_err, re.MULTILINE)
         return RankTimeoutError(
             f"ranks {', '.join(map(str, stuck))} did not finish within {timeout:g} s "
-            f"(finished: {finished}). Python stack of every unfinished rank:\n{stacks}",
+            f"(finished: {finished}). {diagnoses[-1] + ' ' if diagnoses else ''}"
+            f"Python stack of every unfinished rank:\n{stacks}",
             outputs=self._outputs(),
         )
 

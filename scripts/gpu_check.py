@@ -4,12 +4,19 @@ Checks, on every rank: NCCL is chosen, the device is pinned to cuda:<local_rank>
 a DDP step leaves identical gradients on every rank, and reductions of CUDA
 tensors give the right numbers and stay on the GPU. With --allow-cpu it runs
 the same checks on gloo/CPU (so CI can keep this script from rotting).
+
+With --hang it checks the hang doctor instead: rank 1 sleeps outside any
+collective while rank 0's NCCL all-reduce waits on the GPU (its host thread
+blocks later, in ``.item()``); the report must name rank 1 within a few
+seconds, long before NCCL's own watchdog, and ``on_hang="raise"`` must end the
+job (so it exits non-zero by design).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,9 +34,13 @@ def check(condition: bool, what: str, rank: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--allow-cpu", action="store_true")
+    parser.add_argument("--hang", action="store_true", help="check the hang doctor")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.allow_cpu:
         sys.exit("no CUDA device visible; run on a GPU machine (or pass --allow-cpu)")
+    if args.hang:
+        hang()
+        return
 
     with distributed(seed=0) as ctx:
         on_gpu = ctx.device.type == "cuda"
@@ -54,6 +65,17 @@ def main() -> None:
         check(value.item() == rank + 1, "input not mutated", rank)
         ctx.barrier()
         ctx.print(f"gpu_check passed on {ctx.world_size} rank(s), backend={ctx.backend}")
+
+
+def hang() -> None:
+    """Rank 1 sleeps; rank 0 waits in an all-reduce. Ends with HangError on every rank."""
+    with distributed(hang_timeout=3, on_hang="raise", timeout=120) as ctx:
+        ctx.barrier()
+        if ctx.rank == 1:
+            time.sleep(60)  # outside any collective: the report must say so
+        value = torch.ones(1, device=ctx.device)
+        dist.all_reduce(value)
+        print(f"[rank {ctx.rank}] all_reduce returned {value.item()}: not expected", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,21 @@ if [ "$gpus" -lt 1 ]; then echo "no GPU visible" >&2; exit 1; fi
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
   python -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/gpu_check.py
 
+# The hang doctor on NCCL: rank 1 sleeps while rank 0's all-reduce waits on the GPU. The
+# job must fail (on_hang="raise") with a report that names rank 1, well before NCCL's timeout.
+if [ "$gpus" -ge 2 ]; then
+  if hang_output=$(PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 120 \
+      python -m torch.distributed.run --standalone --nproc_per_node=2 scripts/gpu_check.py --hang 2>&1); then
+    echo "$hang_output" >&2; echo "hang case: the job should have ended with HangError" >&2; exit 1
+  fi
+  if ! grep -q "rank 1: not in a collective" <<<"$hang_output" \
+      || ! grep -q "HangError: ddpctx hang report:" <<<"$hang_output"; then
+    echo "$hang_output" >&2; echo "hang case: no hang report naming rank 1" >&2; exit 1
+  fi
+  grep -A4 "^ddpctx hang report:" <<<"$hang_output" | head -5
+  echo "hang case ok"
+fi
+
 # Then the benchmark suite on NCCL, one rank per GPU (at least 2 GPUs needed).
 if [ "$gpus" -ge 2 ]; then
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 600 \

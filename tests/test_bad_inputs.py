@@ -455,6 +455,43 @@ ROWS = [
         "set_seed() needs an int",
         lambda _: set_seed(None),
     ),  # type: ignore[arg-type]
+    Row(
+        "hang doctor",
+        "hang_timeout=-1",
+        ValueError,
+        "hang_timeout=-1 must be a number of seconds >= 0",
+        enter(hang_timeout=-1),
+    ),
+    Row(
+        "hang doctor",
+        "hang_timeout=900 with timeout=600",
+        ValueError,
+        "hang_timeout=900 s is not below the collective timeout of 600 s",
+        enter(hang_timeout=900, timeout=600),
+    ),
+    Row(
+        "hang doctor",
+        "on_hang='kill'",
+        ValueError,
+        "on_hang='kill' is not an option",
+        enter(on_hang="kill"),
+    ),
+    Row(
+        "hang doctor",
+        "DDPCTX_HANG_TIMEOUT=soon",
+        ValueError,
+        "DDPCTX_HANG_TIMEOUT='soon' is not a number of seconds",
+        enter(),
+        {"DDPCTX_HANG_TIMEOUT": "soon"},
+    ),
+    Row(
+        "hang doctor",
+        "DDPCTX_DEBUG=all",
+        ValueError,
+        "DDPCTX_DEBUG='all' is not a debug mode",
+        enter(),
+        {"DDPCTX_DEBUG": "all"},
+    ),
 ]
 
 

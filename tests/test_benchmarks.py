@@ -33,7 +33,13 @@ def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
     assert table[0].startswith("| contender | 1 metric | 8 metrics |")
     assert any(line.startswith("| ddpctx @all_reduced |") for line in table)
     training = launch(runner.training_rank, 1, 2, world_size=2, timeout=120)[0]
-    assert set(training) == {"hand-written loop", "ddpctx loop", "ddpctx loop, async_op"}
+    assert set(training) == {
+        "hand-written loop",
+        "ddpctx loop",
+        "ddpctx loop, async_op",
+        "ddpctx loop, hang doctor on",
+        "ddpctx loop, debug=True",
+    }
     assert all(len(times) == 1 and times[0] > 0 for times in training.values())
 
 

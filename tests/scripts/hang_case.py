@@ -1,0 +1,61 @@
+"""A rank misbehaves on purpose for the hang doctor: ``hang_case.py CASE SECONDS [ON_HANG]``.
+
+Cases (``SECONDS`` is ``hang_timeout``; a late rank comes back after ``4 * SECONDS + 4`` s,
+so ``on_hang="report"`` jobs end successfully):
+
+- ``sleep``: rank 1 sleeps outside any collective; the others wait in ``ctx.barrier()``.
+- ``diverge``: rank 0 waits in ``ctx.barrier()``, rank 1 in an ``@all_reduced`` function.
+- ``raw``: rank 1 waits in a raw ``torch.distributed.all_reduce``; rank 0 sleeps.
+- ``ddp``: rank 1 skips ``backward()`` for a while; the others wait in DDP's backward.
+- ``slow_save``: rank 0's checkpoint write takes longer than ``hang_timeout``.
+
+Lines the tests look for end in a ``# <NAME>`` marker.
+"""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ddpctx import all_reduced, distributed, rank_zero_only
+
+case, seconds = sys.argv[1], float(sys.argv[2])
+on_hang = sys.argv[3] if len(sys.argv) > 3 else "report"
+late = 4 * seconds + 4
+
+
+@all_reduced
+def evaluate() -> float:
+    return 1.0
+
+
+@rank_zero_only(barrier=True)
+def write_checkpoint() -> None:
+    time.sleep(late)  # SLOW-WRITE
+
+
+with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
+    ctx.barrier()
+    if case == "sleep":
+        if ctx.rank == 1:
+            time.sleep(late)  # SLEEP
+        ctx.barrier()  # BARRIER
+    elif case == "diverge":
+        if ctx.rank == 1:
+            evaluate()  # EVALUATE
+        else:
+            ctx.barrier()  # DIVERGE-BARRIER
+    elif case == "raw":
+        if ctx.rank == 0:
+            time.sleep(late)  # RAW-SLEEP
+        dist.all_reduce(torch.ones(1))  # RAW
+    elif case == "ddp":
+        model = ctx.wrap(torch.nn.Linear(4, 1))
+        loss = model(torch.ones(2, 4)).sum()
+        if ctx.rank == 1:
+            time.sleep(late)  # SKIP
+        loss.backward()  # BACKWARD
+    elif case == "slow_save":
+        write_checkpoint()  # SAVE
+    ctx.print("JOB-DONE")

@@ -1,0 +1,383 @@
+"""The hang doctor: real jobs that hang on purpose, under torchrun and launch().
+
+Each job uses a ``hang_timeout`` of a few seconds; a rank that misbehaves
+comes back on its own later, so ``on_hang="report"`` jobs end by themselves
+and every test is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ddpctx
+from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
+from ddpctx.hangreport import RankState, format_report
+from ddpctx.watchdog import resolve_hang_settings
+from tests.helpers import REPO, run_torchrun
+
+SCRIPT = REPO / "tests" / "scripts" / "hang_case.py"
+HANG_TIMEOUT = 2
+#: The report must come within hang_timeout + 5 s of the wait starting.
+REPORT_WITHIN_S = HANG_TIMEOUT + 5
+
+
+def line_of(marker: str, path: Path = SCRIPT) -> str:
+    """``file:line`` of the one line that ends in ``# marker``."""
+    found = [
+        number
+        for number, text in enumerate(path.read_text().splitlines(), 1)
+        if text.rstrip().endswith(f"# {marker}")
+    ]
+    assert len(found) == 1, f"{len(found)} lines end in '# {marker}' in {path}"
+    return f"{path.relative_to(REPO)}:{found[0]}"
+
+
+def report_of(output: str) -> list[str]:
+    """The lines of the one hang report in ``output`` (rank prefixes removed)."""
+    lines = [re.sub(r"^\[rank \d+\] ", "", line) for line in output.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("ddpctx hang report:")]
+    assert len(starts) == 1, f"expected one report, found {len(starts)}:\n{output}"
+    return lines[starts[0] :]
+
+
+def rank_line(report: list[str], rank: int) -> str:
+    return next(line for line in report if line.strip().startswith(f"rank {rank}:"))
+
+
+def waited_seconds(line: str) -> int:
+    found = re.search(r"\((\d+) s\)$", line)
+    assert found, line
+    return int(found.group(1))
+
+
+def torchrun_case(case: str, nproc: int, on_hang: str = "report") -> tuple[int, str, str]:
+    result = run_torchrun(SCRIPT, case, str(HANG_TIMEOUT), on_hang, nproc=nproc, timeout=150)
+    return result.returncode, result.stdout, result.stderr
+
+
+# --- 1. a rank outside any collective -------------------------------------------------------
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(nproc: int) -> None:
+    code, out, err = torchrun_case("sleep", nproc)
+    report = report_of(err)
+    assert "not in a collective" in rank_line(report, 1)
+    assert line_of("SLEEP") in rank_line(report, 1)
+    assert rank_line(report, 1).endswith("<- stuck here")
+    for rank in {0, 2} & set(range(nproc)):
+        line = rank_line(report, rank)
+        assert "waiting in barrier()" in line
+        assert line_of("BARRIER") in line
+        assert waited_seconds(line) <= REPORT_WITHIN_S
+    waiting = nproc - 1
+    assert (
+        f"diagnosis: rank 1 is not in any collective while {waiting} rank"
+        f"{'s' if waiting > 1 else ''} wait"
+    ) in "\n".join(report)
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
+def test_under_launch_a_rank_that_sleeps_is_named(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DDPCTX_HANG_TIMEOUT", str(HANG_TIMEOUT))
+    assert launch(_sleep_on_rank_1, world_size=3, timeout=60) == [None, None, None]
+    report = report_of(capfd.readouterr().err)
+    assert "not in a collective" in rank_line(report, 1)
+    assert f"{Path(__file__).name}:" in rank_line(report, 1)
+    assert "_sleep_on_rank_1" in rank_line(report, 1)
+    assert "waiting in barrier()" in rank_line(report, 0)
+    assert waited_seconds(rank_line(report, 2)) <= REPORT_WITHIN_S
+
+
+def _sleep_on_rank_1() -> None:
+    ctx = ddpctx.current()
+    assert ctx is not None
+    if ctx.rank == 1:
+        time.sleep(4 * HANG_TIMEOUT + 2)
+    ctx.barrier()
+
+
+# --- 2. different collectives; 5. on_hang="raise" -------------------------------------------
+
+
+def test_ranks_in_different_collectives_are_named_with_both_call_sites() -> None:
+    code, _, err = torchrun_case("diverge", 2, on_hang="raise")
+    report = "\n".join(report_of(err.split("Root Cause")[0]))
+    assert (
+        f"diagnosis: ranks are in different collectives: barrier at {line_of('DIVERGE-BARRIER')} "
+        f"(rank 0) vs all_reduce at {line_of('EVALUATE')} (rank 1)."
+    ) in report
+    assert code != 0
+
+
+def test_on_hang_raise_ends_the_job_with_the_report_as_root_cause() -> None:
+    started = time.monotonic()
+    code, _, err = torchrun_case("sleep", 3, on_hang="raise")
+    elapsed = time.monotonic() - started
+    assert code != 0
+    root_cause = err.split("Root Cause (first observed failure)", 1)[1]
+    assert "HangError: ddpctx hang report:" in root_cause
+    assert "<- stuck here" in root_cause
+    # The sleeping rank would come back after 4 * hang_timeout + 4 s; the job ended before.
+    assert "JOB-DONE" not in err
+    assert elapsed < 120
+
+
+# --- 3. a raw torch.distributed call; 4. DDP ------------------------------------------------
+
+
+def test_a_raw_torch_distributed_collective_counts_as_waiting() -> None:
+    _, _, err = torchrun_case("raw", 2)
+    report = report_of(err)
+    assert "waiting in all_reduce()" in rank_line(report, 1)
+    assert line_of("RAW") in rank_line(report, 1)
+    assert "not in a collective" in rank_line(report, 0)
+    assert line_of("RAW-SLEEP") in rank_line(report, 0)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(nproc: int) -> None:
+    code, out, err = torchrun_case("ddp", nproc)
+    report = report_of(err)
+    assert "not in a collective" in rank_line(report, 1)
+    assert line_of("SKIP") in rank_line(report, 1)
+    for rank in {0, 2} & set(range(nproc)):
+        line = rank_line(report, rank)
+        assert "waiting in DDP backward" in line
+        assert line_of("BACKWARD") in line
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
+# --- 6. a slow rank-0 write -----------------------------------------------------------------
+
+
+def test_a_slow_checkpoint_write_is_reported_once_and_the_job_succeeds() -> None:
+    code, out, err = torchrun_case("slow_save", 2)
+    report = report_of(err)  # exactly one
+    assert line_of("SLOW-WRITE") in rank_line(report, 0)
+    assert "waiting in" in rank_line(report, 1)
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
+# --- 7. no growth over enter/exit cycles ----------------------------------------------------
+
+
+def test_two_hundred_cycles_leave_no_thread_or_file_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DDPCTX_HANG_TIMEOUT", raising=False)
+    with distributed(hang_timeout=30):
+        pass  # warm-up: torch opens what it keeps open once
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        with distributed(hang_timeout=30) as ctx:
+            assert any(t.name == "ddpctx-watchdog" for t in threading.enumerate())
+            ctx.barrier()
+    assert (threading.active_count(), len(os.listdir("/proc/self/fd"))) == (threads, fds)
+    assert dist.all_reduce is torch.distributed.distributed_c10d.all_reduce  # put back
+
+
+@pytest.mark.slow
+def test_two_hundred_cycles_under_torchrun_leave_no_thread_or_file_behind() -> None:
+    result = run_torchrun(REPO / "tests/scripts/hang_cycles.py", "200", nproc=2, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r"CYCLES threads=(\d+),(\d+) fds=(\d+),(\d+)", result.stdout)
+    assert len(lines) == 2
+    for before_threads, after_threads, before_fds, after_fds in lines:
+        assert (after_threads, after_fds) == (before_threads, before_fds)
+
+
+# --- 8. ctx.any / ctx.all, and the skip-a-batch example -------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_any_and_all_agree_on_every_rank(world_size: int) -> None:
+    results = launch(_votes, world_size=world_size, timeout=60)
+    assert results == [(True, False, True, True)] * world_size
+
+
+def _votes() -> tuple[bool, bool, bool, bool]:
+    ctx = ddpctx.current()
+    assert ctx is not None
+    only_last = ctx.rank == ctx.world_size - 1
+    return ctx.any(only_last), ctx.all(only_last), ctx.all(True), ctx.any(torch.tensor(1))
+
+
+def skip_a_batch(decide_together: bool) -> float:
+    """Train on 6 batches; rank 1 finds batch 2 bad. Returns the sum of the weights."""
+    ctx = ddpctx.current()
+    assert ctx is not None
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in range(6):
+        loss = model(torch.ones(8, 4) * batch).pow(2).mean()
+        bad = ctx.rank == 1 and batch == 2  # e.g. a NaN loss on one rank only
+        skip = ctx.any(bad) if decide_together else bad
+        if skip:
+            continue
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ctx.barrier()
+    return float(sum(p.sum() for p in model.parameters()))
+
+
+def test_skipping_a_batch_with_ctx_any_keeps_the_ranks_in_lockstep() -> None:
+    results = launch(skip_a_batch, True, world_size=2, timeout=60)
+    assert results[0] == results[1]
+
+
+def test_skipping_a_batch_on_one_rank_alone_hangs_and_is_diagnosed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DDPCTX_HANG_TIMEOUT", str(HANG_TIMEOUT))
+    with pytest.raises(RankTimeoutError) as caught:
+        launch(skip_a_batch, False, world_size=2, timeout=HANG_TIMEOUT + 8)
+    message = str(caught.value)
+    assert "diagnosis: ranks are in different collectives: DDP backward" in message
+    assert "barrier" in message
+    assert "Python stack of every unfinished rank" in message  # launch()'s own dump stays
+
+
+# --- debug mode -----------------------------------------------------------------------------
+
+
+def test_debug_mode_fails_at_once_naming_both_call_sites(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPCTX_DEBUG", "collectives")
+    monkeypatch.setenv("DDPCTX_HANG_TIMEOUT", "0")
+    started = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        launch(_diverge, world_size=2, timeout=60)
+    assert time.monotonic() - started < 30
+    assert isinstance(caught.value.original, HangError)
+    message = str(caught.value.original)
+    here = "tests/test_hang.py"
+    assert f"barrier at {here}:" in message
+    assert f"all_reduce at {here}:" in message
+
+
+def _diverge() -> None:
+    ctx = ddpctx.current()
+    assert ctx is not None
+    if ctx.rank == 0:
+        ctx.barrier()
+    else:
+        ctx.all_reduce(1.0)
+
+
+# --- options and the report's shape ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "environ", "names"),
+    [
+        ({"hang_timeout": -1}, {}, "hang_timeout=-1"),
+        ({"hang_timeout": "60"}, {}, "hang_timeout='60'"),
+        ({"hang_timeout": True}, {}, "hang_timeout=True"),
+        ({"hang_timeout": 900}, {}, "hang_timeout=900"),
+        ({"on_hang": "kill"}, {}, "on_hang='kill'"),
+        ({}, {"DDPCTX_HANG_TIMEOUT": "soon"}, "DDPCTX_HANG_TIMEOUT='soon'"),
+        ({}, {"DDPCTX_DEBUG": "all"}, "DDPCTX_DEBUG='all'"),
+    ],
+)
+def test_bad_hang_options_are_refused_naming_the_value(
+    kwargs: dict[str, object], environ: dict[str, str], names: str
+) -> None:
+    options = {"hang_timeout": None, "on_hang": "report", "debug": False, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(names)):
+        resolve_hang_settings(
+            options["hang_timeout"], options["on_hang"], options["debug"], 600.0, environ
+        )
+
+
+@pytest.mark.parametrize(
+    ("timeout", "environ", "expected"),
+    [(600.0, {}, 120.0), (3600.0, {}, 300.0), (600.0, {"DDPCTX_HANG_TIMEOUT": "0"}, 0.0)],
+)
+def test_the_default_hang_timeout_is_a_fifth_of_the_timeout_at_most_300(
+    timeout: float, environ: dict[str, str], expected: float
+) -> None:
+    assert resolve_hang_settings(None, "report", False, timeout, environ).hang_timeout == expected
+
+
+def test_bad_hang_options_leave_nothing_behind() -> None:
+    with pytest.raises(ValueError, match="on_hang"), distributed(on_hang="never"):  # type: ignore[arg-type]
+        pass
+    assert not dist.is_initialized()
+    assert dist.all_reduce is torch.distributed.distributed_c10d.all_reduce
+
+
+states = st.builds(
+    RankState,
+    rank=st.just(0),
+    op=st.one_of(st.none(), st.sampled_from(["barrier()", "all_reduce()", "DDP backward"])),
+    waited=st.floats(0, 1000),
+    site=st.sampled_from(["train.py:57 in main", "eval.py:30 in evaluate", "?"]),
+    stack=st.just('  File "train.py", line 57, in main'),
+)
+
+
+@given(st.lists(st.one_of(st.none(), states), min_size=1, max_size=6))
+def test_a_report_has_a_headline_a_line_per_rank_a_diagnosis_and_the_stacks(
+    answers: list[RankState | None],
+) -> None:
+    answers = [
+        None if s is None else RankState(r, s.op, s.waited, s.site, s.stack)
+        for r, s in enumerate(answers)
+    ]
+    lines = format_report(answers, 60).splitlines()
+    assert lines[0].startswith("ddpctx hang report: no collective has completed for ")
+    assert [line.split(":")[0].strip() for line in lines[1 : 1 + len(answers)]] == [
+        f"rank {rank}" for rank in range(len(answers))
+    ]
+    assert lines[1 + len(answers)].startswith("diagnosis: ")
+    assert lines.count("--- rank 0 ---") == (answers[0] is not None)
+
+
+# --- the example that hangs on purpose, and the README's copy of its report ---------------
+
+
+def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> None:
+    result = run_torchrun(REPO / "examples" / "hang.py", nproc=2, timeout=150)
+    assert result.returncode != 0
+    produced = report_of(result.stderr.split("[rank")[0])
+    readme = (REPO / "README.md").read_text()
+    shown = readme.split("```text\nddpctx hang report:", 1)[1].split("```", 1)[0]
+    shown_lines = ("ddpctx hang report:" + shown).splitlines()
+
+    def without_seconds(lines: list[str]) -> list[str]:
+        return [re.sub(r"\d+ s\b", "N s", line) for line in lines]
+
+    # Headline, a line per rank and the diagnosis: the same, up to the seconds waited.
+    assert without_seconds(produced[:4]) == without_seconds(shown_lines[:4])
+    assert "diagnosis: ranks are in different collectives" in produced[3]
+    root_cause = result.stderr.split("Root Cause (first observed failure)", 1)[1]
+    assert "HangError: ddpctx hang report:" in root_cause
+
+
+def test_a_report_printed_earlier_is_appended_to_the_error_torchrun_shows(tmp_path: Path) -> None:
+    from ddpctx.group import record_for_torchrun
+
+    error_file = tmp_path / "error.json"
+    record_for_torchrun(
+        ValueError("bad"),
+        {"TORCHELASTIC_ERROR_FILE": str(error_file)},
+        note="ddpctx hang report: x",
+    )
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message == "ValueError: bad\n\nddpctx hang report: x"
