@@ -72,6 +72,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def bare(item: Any) -> Any:
+    """A module without its DDP / compile wrappers; anything else as it is."""
+    return unwrap_model(item) if isinstance(item, nn.Module) else item
+
+
 def load_file(path: Path, device: torch.device | str, weights_only: bool) -> Any:
     """``torch.load`` with errors that say which file and what to do."""
     if not path.exists():
@@ -205,7 +210,7 @@ def training_state(
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
-        "extra": {name: item.state_dict() for name, item in (extra or {}).items()},
+        "extra": {name: bare(item).state_dict() for name, item in (extra or {}).items()},
         "meta": meta,
         "rng": rng_states,
         "loaders": loaders or [],

@@ -33,6 +33,7 @@ from torch import nn
 from ddpctx.atomic import atomic_save
 from ddpctx.checkpoint import (
     RefusedCheckpoint,
+    bare,
     check_world_size,
     load_file,
     newest_checkpoint,
@@ -204,7 +205,7 @@ def load(
                 f"{sorted(saved_extra) or 'none'}); it was saved without it. Leave {name!r} out "
                 "of extra= for this resume, or start a new run."
             )
-        item.load_state_dict(saved_extra[name])
+        bare(item).load_state_dict(saved_extra[name])
     step = state.get("step")
     if changed:
         seed = base_seed if base_seed is not None else state.get("base_seed") or 0
