@@ -118,9 +118,10 @@ class ShardSampler(Sampler[int]):
         if position.world_size == self.num_replicas:
             self._resume = position
             return
-        done = done_mask(self.length, position.done)
+        started = done_mask(self.length, position.done)  # where that deal started
+        done = started.copy()
         for rank, consumed in enumerate(position.consumed):
-            for spot in deal(self.length, position.world_size, rank, self.pad, done)[:consumed]:
+            for spot in deal(self.length, position.world_size, rank, self.pad, started)[:consumed]:
                 done[spot] = True
         self._resume = Position(
             position.epoch, self.num_replicas, (0,) * self.num_replicas, np.packbits(done).tobytes()
