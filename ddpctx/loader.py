@@ -70,15 +70,17 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
 
 
 class SeededIndices(list[int]):
-    """A batch's indices, carrying the seed a worker applies before reading them."""
+    """A batch's indices, carrying what a worker seeds itself from before reading them."""
 
-    seed: int = 0
+    key: tuple[int, int, int, int] = (0, 0, 0, 0)  # (base seed, rank, first position, epoch)
     _applied: bool = False
 
     def __iter__(self) -> Iterator[int]:
         if not self._applied and get_worker_info() is not None:  # only ever inside a worker
             self._applied = True
-            seed_worker(self.seed)
+            base, rank, first, epoch = self.key
+            # "worker" slot 2**31 + first sample position: never equal to a worker-start seed.
+            seed_worker(worker_seed(base, rank, 2**31 + first, epoch))
         return super().__iter__()
 
 
@@ -95,10 +97,7 @@ class SeededBatches(Sampler[list[int]]):
 
     def _tagged(self, indices: list[int], first: int) -> SeededIndices:
         batch = SeededIndices(indices)
-        # "worker" slot 2**31 + first sample position: never equal to a worker-start seed.
-        batch.seed = worker_seed(
-            self.base_seed, self.sampler.rank, 2**31 + first, self.sampler.epoch
-        )
+        batch.key = (self.base_seed, self.sampler.rank, first, self.sampler.epoch)
         return batch
 
     def __iter__(self) -> Iterator[list[int]]:
