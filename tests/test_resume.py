@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpctx import DistContext, current
+from ddpctx import DistContext, current, distributed
 from ddpctx.sampling import Position, ShardSampler
 
 
@@ -201,3 +201,21 @@ def test_shards_match_torchs_distributed_sampler_when_padded(
             )
             theirs.set_epoch(4)
             assert list(ours) == list(theirs)
+
+
+def test_loaders_made_after_load_checkpoint_resume_too(tmp_path: Path) -> None:
+    with distributed(seed=1) as ctx:
+        loader = ctx.dataloader(list(range(20)), batch_size=3, shuffle=True, drop_last=True)
+        first = []
+        for _ in ctx.epochs(1):
+            for batch in loader:
+                first.append(batch.tolist())
+                if len(first) == 2:
+                    ctx.save_checkpoint(tmp_path, model=nn.Linear(1, 1), epoch=0)
+    with distributed(seed=1) as ctx:
+        assert ctx.load_checkpoint(tmp_path, model=nn.Linear(1, 1)) == {"epoch": 0}
+        loader = ctx.dataloader(list(range(20)), batch_size=3, shuffle=True, drop_last=True)
+        assert len(loader) == 4
+        rest = [batch.tolist() for _ in ctx.epochs(1) for batch in loader]
+    assert rest == first[2:]
+    assert len(first) == 6  # drop_last: 20 // 3
