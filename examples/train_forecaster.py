@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if meta is not None and (problem := refusal(meta, args, checkpoints)) is not None:
             ctx.print(problem, file=sys.stderr)
-            ctx.barrier()  # every rank leaves together, with the same status: no SIGTERM storm
+            ctx.barrier()  # every rank leaves at once, with the same status
             return 2
         if meta is not None and meta["epoch_done"] and meta["epoch"] + 1 == args.epochs:
             ctx.print(

@@ -86,7 +86,6 @@ def test_more_epochs_on_a_finished_run_is_one_clear_refusal(small: Path) -> None
     assert result.returncode != 0
     assert result.stderr.count("holds a run of --epochs 3") == 1  # rank 0 says it, once
     assert "continue it with --epochs 3, or start a new run with another --out" in result.stderr
-    assert "SIGTERM" not in result.stderr  # every rank left together, with the same status
     assert 'train_forecaster.py", line' not in result.stderr  # no traceback from the job
 
 
