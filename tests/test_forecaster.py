@@ -50,10 +50,10 @@ def test_the_same_seed_gives_the_same_weights(
     assert summary(tmp_path)["model_sha256"] == uninterrupted["model_sha256"]
 
 
-#: A small job for the resume tests: 3 epochs of 29 optimizer steps (2 micro-batches each)
+#: A small job for the resume tests: 3 epochs of 19 optimizer steps (2 micro-batches each)
 #: per rank, a checkpoint every 4 steps, so every epoch has mid-epoch checkpoints.
 SMALL = (
-    "--epochs", "3", "--length", "600", "--batch-size", "64", "--accumulate", "2",
+    "--epochs", "3", "--length", "400", "--batch-size", "64", "--accumulate", "2",
     "--save-every", "4", "--seed", "5",
 )  # fmt: skip
 
@@ -69,7 +69,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_checkpoints_are_named_by_epoch_and_step(small: Path) -> None:
     names = sorted(p.name for p in (small / "checkpoints").iterdir())
-    assert names == ["checkpoint-000023-epoch2-step84.pt", "checkpoint-000024-epoch2-step87.pt"]
+    assert names == ["checkpoint-000016-epoch2-step56.pt", "checkpoint-000017-epoch2-step57.pt"]
 
 
 def test_a_finished_run_is_not_trained_again_and_its_summary_is_kept(small: Path) -> None:
@@ -126,7 +126,7 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_same_weights(
 
 def test_the_demo_runs_as_one_plain_python_process(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--epochs", "1", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--epochs", "1", "--length", "400", "--out", str(tmp_path)],
         cwd=REPO,
         env=child_env(),
         capture_output=True,
