@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from ddpctx.loader import ShardLoader
 
@@ -53,7 +54,7 @@ class Accumulation:
         model: torch.nn.Module,
         every: int,
         world_size: int,
-        loader: ShardLoader | None = None,
+        loader: DataLoader[Any] | None = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(
@@ -69,7 +70,7 @@ class Accumulation:
         self.every = every
         self.model = model
         self.world_size = world_size
-        self.loader = loader
+        self.loader: ShardLoader | None = loader
         self.count = 0
         self.sync = True
         self._skip: contextlib.AbstractContextManager[Any] | None = None

@@ -335,7 +335,7 @@ class DistContext:
         ...     steps
         [False, True, False, True]
         """
-        return Accumulation(model, every, self.world_size, loader)  # type: ignore[arg-type]
+        return Accumulation(model, every, self.world_size, loader)
 
     def rank_zero(self, local: bool = False) -> contextlib.AbstractContextManager[bool]:
         """A block only rank 0 runs (``if main:``); every rank waits, and a failure reaches all.
