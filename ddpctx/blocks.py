@@ -11,6 +11,7 @@ statement cannot skip its body.
 :func:`atomic_dir` builds on it: rank 0 gets a temporary directory beside
 ``path`` to write into; on success it replaces ``path`` in one rename; on
 failure it is removed and ``path`` is untouched. Others get None and wait.
+Missing parent directories are created (as ``save_pretrained`` would).
 
 This module sits beside :mod:`ddpctx.rankzero` (whose protocol it reuses
 unchanged) and below :mod:`ddpctx.context`.
@@ -60,11 +61,7 @@ def atomic_dir(place: Place, path: Path) -> Iterator[Path | None]:
         if not main:
             yield None
             return
-        if not path.parent.is_dir():
-            raise FileNotFoundError(
-                f"cannot write the directory {str(path)!r}: its parent {str(path.parent)!r} "
-                "does not exist. Create it first (os.makedirs), or write elsewhere."
-            )
+        path.parent.mkdir(parents=True, exist_ok=True)  # as save_pretrained would
         if path.exists() and not path.is_dir():
             raise FileExistsError(
                 f"{str(path)!r} exists and is not a directory; atomic_dir replaces directories "

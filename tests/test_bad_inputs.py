@@ -140,6 +140,12 @@ def full_disk(ctx: Any, tmp: Path) -> None:
         os.write = real_write
 
 
+def file_in_the_way(ctx: Any, tmp: Path) -> None:
+    (tmp / "file.pt").write_text("not a directory")
+    with ctx.atomic_dir(tmp / "file.pt"):
+        pass
+
+
 def changed_data(tmp: Path) -> None:
     with distributed() as ctx:
         next(iter(ctx.dataloader(list(range(8)), batch_size=2)))
@@ -515,10 +521,10 @@ ROWS = [
     ),
     Row(
         "atomic_dir",
-        "a path whose parent is missing",
-        FileNotFoundError,
-        "does not exist. Create it first (os.makedirs)",
-        in_context(lambda c, t: c.atomic_dir(t / "no" / "dir").__enter__()),
+        "a path that is a file",
+        FileExistsError,
+        "exists and is not a directory; atomic_dir replaces directories only",
+        in_context(file_in_the_way),
     ),
     Row(
         "accumulation",

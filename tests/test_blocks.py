@@ -74,10 +74,12 @@ def test_a_failed_atomic_dir_leaves_the_old_directory_and_reaches_every_rank(
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
-def test_atomic_dir_names_a_missing_parent(tmp_path: Path) -> None:
-    with (
-        distributed() as ctx,
-        pytest.raises(FileNotFoundError, match=r"its parent .* does not exist"),
-        ctx.atomic_dir(tmp_path / "no" / "model"),
-    ):
-        pass
+def test_atomic_dir_creates_missing_parents_and_refuses_to_replace_a_file(tmp_path: Path) -> None:
+    with distributed() as ctx:
+        with ctx.atomic_dir(tmp_path / "runs" / "model") as tmp:
+            assert tmp is not None
+            (tmp / "weights.bin").write_bytes(b"w")
+        assert (tmp_path / "runs" / "model" / "weights.bin").exists()
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(FileExistsError, match=r"exists and is not a directory"):
+            ctx.atomic_dir(tmp_path / "file").__enter__()
