@@ -53,16 +53,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from ddpctx.checkpoint import (
-    atomic_save,
-    check_world_size,
-    load_file,
-    newest_checkpoint,
-    next_checkpoint_path,
-    prune,
-    training_state,
-    unwrap_model,
-)
+from ddpctx import resume
+from ddpctx.accumulate import Accumulation, no_sync
+from ddpctx.atomic import atomic_save
+from ddpctx.blocks import atomic_dir, rank_zero_block
+from ddpctx.checkpoint import load_file, unwrap_model
 from ddpctx.collectives import (
     Site,
     all_gather_objects,
@@ -87,16 +82,12 @@ from ddpctx.group import (
     should_record,
 )
 from ddpctx.inflight import torch_detail_debug
+from ddpctx.loader import ShardLoader
 from ddpctx.packing import OpSpec
 from ddpctx.rankzero import Place, on_rank_zero, zero_first
 from ddpctx.report import bar_on_main
-from ddpctx.seeding import (
-    enable_deterministic,
-    rng_state,
-    seed_everything,
-    set_rng_state,
-    validate_seed,
-)
+from ddpctx.sampling import Position
+from ddpctx.seeding import enable_deterministic, seed_everything, validate_seed
 from ddpctx.signals import exit_on_sigterm
 from ddpctx.watchdog import Doctor, HangSettings, resolve_hang_settings
 
@@ -155,7 +146,8 @@ class DistContext:
         self.seed: int | None = None if seed is None else seed + info.rank
         self._close = close
         self._sites: dict[str, Site] = {}
-        self._samplers: list[Any] = []
+        self._loaders: list[ShardLoader] = []
+        self._resume_positions: list[tuple[Position | None, int]] = []
 
     @property
     def is_main(self) -> bool:
@@ -296,6 +288,7 @@ class DistContext:
         batch_size: int,
         shuffle: bool = False,
         pad: bool = True,
+        device: torch.device | str | None = "auto",
         **loader_kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader over this rank's shard of ``dataset`` (see :mod:`ddpctx.data`).
@@ -303,15 +296,20 @@ class DistContext:
         The sampler is seeded with the base seed (the same on every rank, so
         shards are disjoint); :meth:`epochs` advances it. ``pad=False`` gives
         uneven shards without repeated samples (for exact evaluation).
-        Workers are seeded per (rank, worker, epoch); your ``worker_init_fn``
-        still runs after that.
+        Batches arrive on ``device`` (default :attr:`device`; None leaves them
+        where the dataset put them). Workers are seeded per (rank, worker,
+        epoch) and each batch per (rank, epoch, batch); your
+        ``worker_init_fn`` still runs after that. Its position within the
+        epoch is saved by :meth:`save_checkpoint` and resumed by
+        :meth:`load_checkpoint`.
 
         >>> with distributed(seed=0) as ctx:
         ...     loader = ctx.dataloader(list(range(10)), batch_size=4, shuffle=True)
         ...     [len(batch) for batch in loader]
         [4, 4, 2]
         """
-        loader, sampler = make_dataloader(
+        target = self.device if isinstance(device, str) and device == "auto" else device
+        loader = make_dataloader(
             dataset,
             batch_size,
             shuffle=shuffle,
@@ -320,8 +318,12 @@ class DistContext:
             rank=self.rank,
             world_size=self.world_size,
             loader_kwargs=loader_kwargs,
+            device=None if target is None else torch.device(target),
         )
-        self._samplers.append(sampler)
+        index = len(self._loaders)
+        self._loaders.append(loader)
+        if index < len(self._resume_positions):  # made after load_checkpoint
+            resume.apply_position(loader, index, *self._resume_positions[index])
         return loader
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -331,7 +333,74 @@ class DistContext:
         ...     list(ctx.epochs(3, start=1))
         [1, 2]
         """
-        return epochs(n, start, self._samplers, self.barrier)
+        return epochs(n, start, [loader.shard for loader in self._loaders], self.barrier)
+
+    def no_sync(
+        self, model: nn.Module, enabled: bool = True
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Skip DDP's gradient all-reduce in backward passes inside the block (while ``enabled``).
+
+        A no-op for world size 1 and for models not wrapped in DDP.
+
+        >>> with distributed() as ctx, ctx.no_sync(ctx.wrap(torch.nn.Linear(2, 1))):
+        ...     pass
+        """
+        return no_sync(model, enabled, self.world_size)
+
+    def accumulate(
+        self, model: nn.Module, every: int, loader: DataLoader[Any] | None = None
+    ) -> Accumulation:
+        """Gradient accumulation over ``every`` micro-batches (see :mod:`ddpctx.accumulate`).
+
+        ``with accumulation as sync:`` around each micro-batch's backward; step
+        the optimizer when ``sync``. Pass the ``loader`` to count by its
+        position, so the sync points survive a mid-epoch resume and the last
+        batch of an epoch always syncs.
+
+        >>> with distributed() as ctx:
+        ...     model = ctx.wrap(torch.nn.Linear(2, 1))
+        ...     accumulation = ctx.accumulate(model, every=2)
+        ...     steps = []
+        ...     for x in torch.ones(4, 1, 2):
+        ...         with accumulation as sync:
+        ...             model(x).sum().div(2).backward()
+        ...         steps.append(sync)
+        ...     steps
+        [False, True, False, True]
+        """
+        return Accumulation(model, every, self.world_size, loader)
+
+    def rank_zero(self, local: bool = False) -> contextlib.AbstractContextManager[bool]:
+        """A block only rank 0 runs (``if main:``); every rank waits, and a failure reaches all.
+
+        The same guarantee as ``@rank_zero_only(barrier=True)``, without a function.
+
+        >>> with distributed() as ctx:
+        ...     with ctx.rank_zero() as main:
+        ...         if main:
+        ...             print("rank 0 writes")
+        rank 0 writes
+        """
+        return rank_zero_block(self._place(), local)
+
+    def atomic_dir(
+        self, path: str | os.PathLike[str]
+    ) -> contextlib.AbstractContextManager[Path | None]:
+        """Rank 0 writes a directory into the yielded temporary path; it replaces ``path`` whole.
+
+        Other ranks get None and wait; a failure reaches every rank and leaves
+        ``path`` as it was (see :mod:`ddpctx.blocks`).
+
+        >>> import tempfile
+        >>> with distributed() as ctx:
+        ...     target = Path(tempfile.mkdtemp()) / "model"
+        ...     with ctx.atomic_dir(target) as tmp:
+        ...         if tmp is not None:
+        ...             _ = (tmp / "config.json").write_text("{}")
+        ...     sorted(p.name for p in target.iterdir())
+        ['config.json']
+        """
+        return atomic_dir(self._place(), Path(path))
 
     def progress(self, iterable: Iterable[T], **tqdm_kwargs: Any) -> Iterable[T]:
         """``iterable`` with a tqdm bar on rank 0 (if tqdm is installed); as it is elsewhere."""
@@ -366,31 +435,38 @@ class DistContext:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        scaler: Any = None,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
         keep: int = 2,
         **meta: Any,
     ) -> Path:
-        """Save the training state and every rank's random state as a new numbered checkpoint.
+        """Save the training state, every rank's random state and every loader's position.
 
-        Keeps the newest ``keep`` checkpoints; returns the new file's path on every rank.
-        ``meta`` (e.g. ``epoch=3``) comes back from :meth:`load_checkpoint`.
+        Writes a new checkpoint named for its epoch and step (see
+        :mod:`ddpctx.checkpoint`), keeps the newest ``keep``, and returns its
+        path on every rank. ``scaler`` (AMP) and ``extra`` (name -> object
+        with ``state_dict``) are saved too. ``meta`` (e.g. ``epoch=3``) comes
+        back from :meth:`load_checkpoint`; NumPy values, paths and
+        namespaces are converted, anything that would not load is refused
+        here (see :mod:`ddpctx.meta`). Call it every K steps with ``step=``
+        to resume mid-epoch.
         """
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(
-                f"keep={keep!r} must be a positive int (how many checkpoints to keep)."
-            )
-        rng_states = self.all_gather(rng_state())  # every rank's, collected on every rank
-        folder = Path(directory)
-
-        def write() -> Path:
-            folder.mkdir(parents=True, exist_ok=True)
-            path = next_checkpoint_path(folder)
-            state = training_state(model, optimizer, scheduler, meta, self.world_size, rng_states)
-            atomic_save(state, path)
-            prune(folder, keep)
-            return path
-
-        _, path = on_rank_zero(self._place(), write, broadcast=True)
-        return Path(path)
+        return resume.save(
+            self._place(),
+            self.all_gather,
+            self._loaders,
+            self.base_seed,
+            Path(directory),
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            extra=extra,
+            step=step,
+            keep=keep,
+            meta=meta,
+        )
 
     def load_checkpoint(
         self,
@@ -399,27 +475,37 @@ class DistContext:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        scaler: Any = None,
+        extra: dict[str, Any] | None = None,
+        allow_world_size_change: bool = False,
     ) -> dict[str, Any] | None:
-        """Restore the newest complete checkpoint in ``directory``; return its meta, or None.
+        """Restore the newest loadable checkpoint in ``directory``; return its meta.
 
-        Restores the model, optimizer and scheduler, and this rank's random
-        state, so the run continues exactly as an uninterrupted one would.
-        Checkpoints that do not load are skipped with a warning. A checkpoint
-        from a different world size is an error (its random states are per rank).
+        None only when ``directory`` holds no checkpoint at all. Restores the
+        model, optimizer, scheduler, scaler, ``extra``, this rank's random
+        state and every loader's position, so the run continues exactly as
+        an uninterrupted one would (``step`` is in the meta when it was
+        saved). Torn files are skipped with a warning; a file that reads but
+        is refused is an error, as is a directory where no checkpoint loads.
+        A checkpoint from another world size is an error unless
+        ``allow_world_size_change=True`` (see :mod:`ddpctx.resume`).
         """
-        folder = Path(directory)
-        _, chosen = on_rank_zero(self._place(), lambda: newest_checkpoint(folder), broadcast=True)
-        if chosen is None:
-            return None
-        state = load_file(Path(chosen), self.device, weights_only=True)
-        check_world_size(state, Path(chosen), self.world_size)
-        unwrap_model(model).load_state_dict(state["model"])
-        if optimizer is not None and state["optimizer"] is not None:
-            optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state["scheduler"] is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"][self.rank])
-        meta: dict[str, Any] = dict(state["meta"])
+        meta, positions = resume.load(
+            self._place(),
+            self.device,
+            self._loaders,
+            self.base_seed,
+            Path(directory),
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            extra=extra,
+            allow_world_size_change=allow_world_size_change,
+        )
+        self._resume_positions = positions
+        for index, loader in enumerate(self._loaders[: len(positions)]):
+            resume.apply_position(loader, index, *positions[index])
         return meta
 
     def print(

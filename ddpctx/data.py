@@ -8,13 +8,17 @@ Three rules that hand-written DDP loops get wrong, kept here:
   shards overlap and some samples are never seen.)
 - ``set_epoch`` is called every epoch (by :func:`epochs`), so the order
   changes between epochs and is the same for the same seed.
-- DataLoader workers are seeded per (rank, worker, epoch) for ``random``,
-  NumPy and torch, so augmentations differ everywhere they should.
+- DataLoader workers are seeded per (rank, worker, epoch) when they start,
+  and every batch they read is seeded per (rank, epoch, batch), so
+  augmentations differ everywhere they should and a resumed epoch (or
+  ``persistent_workers=True``) reads exactly what an uninterrupted one reads
+  (see :mod:`ddpctx.loader`).
 
-``pad=True`` uses torch's ``DistributedSampler`` (it repeats a few samples
-so every rank gets the same number: right for training, where ranks must
-take the same number of steps). ``pad=False`` uses :class:`ShardSampler`:
-uneven shards, no repeats, so evaluation sums and counts are exact.
+``pad=True`` deals shards exactly as torch's ``DistributedSampler`` does (it
+repeats a few samples so every rank gets the same number: right for
+training, where ranks must take the same number of steps). ``pad=False``
+gives uneven shards without repeats, so evaluation sums and counts are exact.
+Both are :class:`~ddpctx.sampling.ShardSampler`, which can resume mid-epoch.
 
 Example:
     >>> sampler = ShardSampler(10, num_replicas=3, rank=2, shuffle=False)
@@ -28,42 +32,13 @@ from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import Dataset, IterableDataset
 
+from ddpctx.loader import SeededBatches, ShardLoader
+from ddpctx.sampling import ShardSampler
 from ddpctx.seeding import seed_worker, worker_seed
 
-
-class ShardSampler(Sampler[int]):
-    """Rank ``rank``'s share of one (shuffled) permutation, without padding.
-
-    The permutation is the one ``DistributedSampler`` would draw for the same
-    ``seed`` and epoch; ranks get every ``num_replicas``-th index from
-    ``rank`` on, so shard sizes differ by at most one.
-    """
-
-    def __init__(
-        self, length: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0
-    ) -> None:
-        self.length = length
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.length, generator=generator).tolist()
-        else:
-            order = list(range(self.length))
-        return iter(order[self.rank :: self.num_replicas])
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.length, self.num_replicas))
+__all__ = ["SeedWorkers", "ShardSampler", "epochs", "make_dataloader"]
 
 
 class SeedWorkers:
@@ -97,8 +72,13 @@ def make_dataloader(
     rank: int,
     world_size: int,
     loader_kwargs: dict[str, Any],
-) -> tuple[DataLoader[Any], Any]:
-    """A DataLoader over this rank's shard, and the sampler that :func:`epochs` must advance."""
+    device: torch.device | None = None,
+) -> ShardLoader:
+    """A DataLoader over this rank's shard; its ``shard`` is what :func:`epochs` advances.
+
+    ``device``: move every batch there (None: leave batches where the dataset
+    put them). ``pin_memory`` defaults to True only when ``device`` is CUDA.
+    """
     if isinstance(dataset, IterableDataset):
         raise TypeError(
             "ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); an "
@@ -118,18 +98,15 @@ def make_dataloader(
         )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int, e.g. 64.")
-    sampler: Any
-    if pad:
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=base_seed
-        )
-    else:
-        sampler = ShardSampler(len(dataset), world_size, rank, shuffle=shuffle, seed=base_seed)
+    sampler = ShardSampler(len(dataset), world_size, rank, shuffle=shuffle, seed=base_seed, pad=pad)
+    drop_last = bool(loader_kwargs.pop("drop_last", False))
+    batches = SeededBatches(sampler, batch_size, drop_last, base_seed)
     init = SeedWorkers(base_seed, rank, sampler, loader_kwargs.pop("worker_init_fn", None))
-    loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, worker_init_fn=init, **loader_kwargs
-    )
-    return loader, sampler
+    loader_kwargs.setdefault("pin_memory", device is not None and device.type == "cuda")
+    # Its own generator: a new iterator then never draws from torch's global one, so
+    # the global stream (saved in checkpoints) is the same with and without a resume.
+    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(base_seed + rank))
+    return ShardLoader(dataset, batches, device, worker_init_fn=init, **loader_kwargs)
 
 
 def epochs(n: int, start: int, samplers: list[Any], barrier: Callable[[], None]) -> Iterator[int]:

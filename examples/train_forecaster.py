@@ -8,10 +8,15 @@ the baseline. Everything is generated from the seed -- no download.
     torchrun --standalone --nproc_per_node=2 examples/train_forecaster.py --epochs 4
     python examples/train_forecaster.py --epochs 4            # one process
 
-When ``--out`` already holds a checkpoint the run resumes from it, which is
-also what lets ``torchrun --max-restarts=1`` recover from a killed rank and end
-with exactly the weights of an uninterrupted run. ``<out>/summary.json`` holds
-the losses, the wall time and a sha256 of the final weights.
+    torchrun --standalone --nproc_per_node=2 examples/train_forecaster.py --accumulate 2 \
+        --save-every 20                                   # accumulation, step checkpoints
+
+When ``--out`` already holds a checkpoint the run resumes from it -- mid-epoch
+when the newest checkpoint is a step checkpoint -- which is also what lets
+``torchrun --max-restarts=1`` recover from a killed rank and end with exactly
+the weights of an uninterrupted run. A finished run is not trained again.
+``<out>/summary.json`` holds the losses, the wall time and a sha256 of the
+final weights.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -87,10 +94,9 @@ def evaluate(ctx: DistContext, model: nn.Module, loader: Any) -> dict[str, Any]:
     baseline_sum = torch.zeros((), dtype=torch.float64)
     count = 0
     with torch.no_grad():
-        for inputs, targets in loader:
-            predictions = model(inputs.to(ctx.device)).cpu()
-            loss_sum += ((predictions - targets) ** 2).sum().double()
-            baseline_sum += (targets**2).sum().double()
+        for inputs, targets in loader:  # batches arrive on ctx.device
+            loss_sum += ((model(inputs) - targets) ** 2).sum().double().cpu()
+            baseline_sum += (targets**2).sum().double().cpu()
             count += len(targets)
     model.train()
     denominator = max(count, 1)  # an empty shard contributes count 0, not a fake loss
@@ -115,19 +121,19 @@ def weights_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--window", type=int, default=16)
-    parser.add_argument("--series", type=int, default=16)
-    parser.add_argument("--length", type=int, default=1200)
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
-    parser.add_argument("--out", type=Path, default=Path("runs/forecaster"))
-    args = parser.parse_args()
+def refusal(meta: dict[str, Any], args: argparse.Namespace, checkpoints: Path) -> str | None:
+    """Why this checkpoint cannot be continued with these arguments, or None."""
+    for option, key in (("--epochs", "epochs"), ("--accumulate", "accumulate")):
+        if meta[key] != getattr(args, key):
+            return (
+                f"{checkpoints} holds a run of {option} {meta[key]}, and its learning-rate "
+                f"schedule spans exactly that; continue it with {option} {meta[key]}, or start "
+                "a new run with another --out."
+            )
+    return None
 
+
+def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with distributed(seed=args.seed, deterministic=True) as ctx:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -144,25 +150,32 @@ def main() -> None:
 
         model = ctx.wrap(Forecaster(args.window))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+        steps_per_epoch = math.ceil(len(train) / args.accumulate)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=args.lr, total_steps=args.epochs * len(train)
+            optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch
         )
         checkpoints = args.out / "checkpoints"
         meta = ctx.load_checkpoint(
             checkpoints, model=model, optimizer=optimizer, scheduler=scheduler
         )
-        if meta is not None and meta["epochs"] != args.epochs:
-            raise SystemExit(
-                f"{checkpoints} holds a run of --epochs {meta['epochs']}, and its learning-rate "
-                f"schedule spans exactly that many; resume with --epochs {meta['epochs']}, or "
-                "start a new run with another --out."
+        if meta is not None and (problem := refusal(meta, args, checkpoints)) is not None:
+            ctx.print(problem, file=sys.stderr)
+            ctx.barrier()  # every rank leaves at once, with the same status
+            return 2
+        if meta is not None and meta["epoch_done"] and meta["epoch"] + 1 == args.epochs:
+            ctx.print(
+                f"{args.out}: already complete ({args.epochs} of {args.epochs} epochs); "
+                f"nothing to do. Summary: {args.out / 'summary.json'}"
             )
-        start = 0 if meta is None else meta["epoch"] + 1
-        best = float("inf") if meta is None else meta["best_val_loss"]
-        earlier_time = 0.0 if meta is None else meta["wall_time_s"]
-        if meta is not None:
+            return 0
+        start, step = 0, 0
+        best, earlier_time = float("inf"), 0.0
+        if meta is not None:  # continue after the last finished epoch, or mid-epoch
+            start = meta["epoch"] + 1 if meta["epoch_done"] else meta["epoch"]
+            step, best, earlier_time = meta["step"], meta["best_val_loss"], meta["wall_time_s"]
+            where = "" if meta["epoch_done"] else f", step {step} (mid-epoch)"
             log(
-                f"resuming from epoch {start} (checkpoint in {checkpoints}, "
+                f"resuming from epoch {start}{where} (checkpoint in {checkpoints}, "
                 f"best val loss so far {best:.4f})"
             )
         log(
@@ -170,15 +183,38 @@ def main() -> None:
             f"windows, {ctx.world_size} rank(s), {ctx.backend} on {ctx.device}"
         )
 
+        def save(epoch: int, epoch_done: bool, baseline: float) -> None:
+            ctx.save_checkpoint(
+                checkpoints,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                step=step,
+                epoch=epoch,
+                epoch_done=epoch_done,
+                epochs=args.epochs,
+                accumulate=args.accumulate,
+                best_val_loss=best,
+                baseline_val_loss=baseline,
+                wall_time_s=earlier_time + time.monotonic() - started,
+            )
+
+        accumulation = ctx.accumulate(model, every=args.accumulate, loader=train)
         metrics = {"baseline": float("nan")}
         for epoch in ctx.epochs(args.epochs, start=start):
             for inputs, targets in ctx.progress(train, desc=f"epoch {epoch}", leave=False):
-                loss = nn.functional.mse_loss(model(inputs.to(ctx.device)), targets.to(ctx.device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                with accumulation as sync:  # the all-reduce runs on the last micro-batch only
+                    loss = nn.functional.mse_loss(model(inputs), targets) / args.accumulate
+                    loss.backward()
+                if not sync:
+                    continue
                 nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
                 optimizer.step()
                 scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                if args.save_every and step % args.save_every == 0:
+                    save(epoch, epoch_done=False, baseline=float("nan"))
             metrics = evaluate(ctx, model, val)
             val_loss, baseline = float(metrics["loss"]), float(metrics["baseline"])
             log(
@@ -188,20 +224,8 @@ def main() -> None:
             if val_loss < best:
                 best = val_loss
                 ctx.save(ctx.unwrap(model).state_dict(), args.out / "best.pt")
-            ctx.save_checkpoint(
-                checkpoints,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                epoch=epoch,
-                epochs=args.epochs,
-                best_val_loss=best,
-                baseline_val_loss=baseline,
-                wall_time_s=earlier_time + time.monotonic() - started,
-            )
+            save(epoch, epoch_done=True, baseline=baseline)
 
-        if meta is not None and start >= args.epochs:  # nothing left to train
-            metrics = evaluate(ctx, model, val)
         summary = {
             "best_val_loss": best,
             "baseline_val_loss": float(metrics["baseline"]),
@@ -213,6 +237,26 @@ def main() -> None:
         }
         write_summary(args.out / "summary.json", summary)
         log(json.dumps(summary))
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=128, help="per rank, per micro-batch")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="also checkpoint every N optimizer steps"
+    )
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--series", type=int, default=16)
+    parser.add_argument("--length", type=int, default=1200)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+    parser.add_argument("--out", type=Path, default=Path("runs/forecaster"))
+    args = parser.parse_args()
+    raise SystemExit(run(args))
 
 
 if __name__ == "__main__":

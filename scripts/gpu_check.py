@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from ddpctx import distributed, reduce_tensor
 
@@ -63,6 +64,24 @@ def main() -> None:
         check(mean.item() == expected, f"reduce_tensor mean {mean.item()} == {expected}", rank)
         check(mean.device == ctx.device, f"result stays on {ctx.device}", rank)
         check(value.item() == rank + 1, "input not mutated", rank)
+        data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+        loader = ctx.dataloader(data, batch_size=8, shuffle=True)
+        x, y = next(iter(loader))
+        check(x.device == ctx.device and y.device == ctx.device, "batches on the device", rank)
+        check(loader.pin_memory == on_gpu, "pin_memory only with CUDA", rank)
+        accumulation = ctx.accumulate(model, every=2, loader=loader)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in ctx.epochs(1):
+            for x, y in loader:
+                with accumulation as sync:
+                    (nn.functional.mse_loss(model(x), y) / 2).backward()
+                if sync:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        weights = ctx.unwrap(model).weight.detach()
+        everyone = [torch.zeros_like(weights) for _ in range(ctx.world_size)]
+        dist.all_gather(everyone, weights)
+        check(all(torch.equal(w, everyone[0]) for w in everyone), "accumulated steps agree", rank)
         ctx.barrier()
         ctx.print(f"gpu_check passed on {ctx.world_size} rank(s), backend={ctx.backend}")
 

@@ -28,6 +28,11 @@ if [ "$gpus" -ge 2 ]; then
   echo "hang case ok"
 fi
 
+# Every python example in README.md and docs/ must be right on a GPU as written
+# (batches arrive on the device): run each as a plain script there.
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 \
+  python -m pytest -q -p no:cacheprovider tests/test_docs.py -k example_runs
+
 # Then the benchmark suite on NCCL, one rank per GPU (at least 2 GPUs needed).
 if [ "$gpus" -ge 2 ]; then
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 600 \

@@ -6,15 +6,19 @@ The same rows are published in docs/bad-inputs.md; a test keeps the two in step.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import IterableDataset
@@ -104,6 +108,52 @@ def pickled_code(ctx: Any, tmp: Path) -> None:
 def not_a_torch_file(ctx: Any, tmp: Path) -> None:
     (tmp / "notes.pt").write_text("not a checkpoint")
     ctx.load(tmp / "notes.pt")
+
+
+def refused_checkpoint(ctx: Any, tmp: Path) -> None:
+    state = training_state(torch.nn.Linear(1, 1), None, None, {"b": np.float64(1)}, 1, [{}])
+    atomic_save(state, tmp / "checkpoint-000001.pt")
+    ctx.load_checkpoint(tmp, model=torch.nn.Linear(1, 1))
+
+
+def only_torn_checkpoints(ctx: Any, tmp: Path) -> None:
+    (tmp / "checkpoint-000001.pt").write_bytes(b"PK\x03\x04 torn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx.load_checkpoint(tmp, model=torch.nn.Linear(1, 1))
+
+
+def missing_extra(ctx: Any, tmp: Path) -> None:
+    ctx.save_checkpoint(tmp, model=torch.nn.Linear(1, 1))
+    ctx.load_checkpoint(tmp, model=torch.nn.Linear(1, 1), extra={"ema": torch.nn.Linear(1, 1)})
+
+
+def full_disk(ctx: Any, tmp: Path) -> None:
+    real_write = os.write
+
+    def write(descriptor: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.write = write
+    try:
+        ctx.save({"x": 1}, tmp / "x.pt")
+    finally:
+        os.write = real_write
+
+
+def file_in_the_way(ctx: Any, tmp: Path) -> None:
+    (tmp / "file.pt").write_text("not a directory")
+    with ctx.atomic_dir(tmp / "file.pt"):
+        pass
+
+
+def changed_data(tmp: Path) -> None:
+    with distributed() as ctx:
+        next(iter(ctx.dataloader(list(range(8)), batch_size=2)))
+        ctx.save_checkpoint(tmp, model=torch.nn.Linear(1, 1))  # mid-epoch
+    with distributed() as ctx:
+        ctx.dataloader(list(range(9)), batch_size=2)  # other data in the first loader's place
+        ctx.load_checkpoint(tmp, model=torch.nn.Linear(1, 1))
 
 
 ROWS = [
@@ -491,6 +541,78 @@ ROWS = [
         "DDPCTX_DEBUG='all' is not a debug mode",
         enter(),
         {"DDPCTX_DEBUG": "all"},
+    ),
+    Row(
+        "checkpoint",
+        "meta holding a Fraction",
+        TypeError,
+        "which torch.load(weights_only=True) would refuse",
+        in_context(
+            lambda c, t: c.save_checkpoint(t, model=torch.nn.Linear(1, 1), f=Fraction(1, 3))
+        ),
+    ),
+    Row(
+        "checkpoint",
+        "a checkpoint that reads but holds a NumPy scalar",
+        RuntimeError,
+        "reads as a torch file but torch.load(weights_only=True) refuses",
+        in_context(refused_checkpoint),
+    ),
+    Row(
+        "checkpoint",
+        "checkpoints exist and none loads",
+        RuntimeError,
+        "none of them loads (all torn)",
+        in_context(only_torn_checkpoints),
+    ),
+    Row(
+        "checkpoint",
+        "step=-1",
+        ValueError,
+        "step=-1 must be a non-negative int",
+        in_context(lambda c, t: c.save_checkpoint(t, model=torch.nn.Linear(1, 1), step=-1)),
+    ),
+    Row(
+        "checkpoint",
+        "extra= object without state_dict",
+        TypeError,
+        "without state_dict() and load_state_dict()",
+        in_context(lambda c, t: c.save_checkpoint(t, model=torch.nn.Linear(1, 1), extra={"e": 1})),
+    ),
+    Row(
+        "checkpoint",
+        "extra= name the checkpoint lacks",
+        ValueError,
+        "holds no extra state 'ema'",
+        in_context(missing_extra),
+    ),
+    Row(
+        "checkpoint",
+        "a full disk during save",
+        OSError,
+        "no space left on device while saving",
+        in_context(full_disk),
+    ),
+    Row(
+        "checkpoint",
+        "a loader over other data than the checkpoint's",
+        ValueError,
+        "the data changed, so its position cannot be resumed",
+        changed_data,
+    ),
+    Row(
+        "atomic_dir",
+        "a path that is a file",
+        FileExistsError,
+        "exists and is not a directory; atomic_dir replaces directories only",
+        in_context(file_in_the_way),
+    ),
+    Row(
+        "accumulation",
+        "ctx.accumulate(model, every=0)",
+        ValueError,
+        "every=0 must be a positive int",
+        in_context(lambda c, t: c.accumulate(torch.nn.Linear(1, 1), every=0)),
     ),
 ]
 

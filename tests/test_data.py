@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from ddpctx import DistContext, distributed
+from ddpctx.loader import to_device
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 
@@ -120,3 +122,60 @@ def test_epochs_validates_its_range() -> None:
             list(ctx.epochs(3, start=4))
         with pytest.raises(ValueError, match=r"n=-1 must be a non-negative int"):
             list(ctx.epochs(-1))
+
+
+@RANKS
+def test_persistent_workers_are_seeded_per_epoch_like_fresh_ones(dist_ctx: DistContext) -> None:
+    """A persistent worker's epoch-1 draws equal a fresh worker's: resume-safe (issue 11.3)."""
+    persistent = dist_ctx.dataloader(
+        Draws(), batch_size=2, shuffle=True, pad=False, num_workers=2, persistent_workers=True
+    )
+    fresh = dist_ctx.dataloader(Draws(), batch_size=2, shuffle=True, pad=False, num_workers=2)
+    draws: dict[str, list[list[float]]] = {"persistent": [], "fresh": []}
+    for epoch in dist_ctx.epochs(2):
+        draws["persistent"].append(
+            [float(v) for _, _, numpy_draws, _, _ in persistent for v in numpy_draws]
+        )
+        if epoch == 1:
+            draws["fresh"].append(
+                [float(v) for _, _, numpy_draws, _, _ in fresh for v in numpy_draws]
+            )
+    assert draws["persistent"][1] == draws["fresh"][0]
+    assert draws["persistent"][0] != draws["persistent"][1]
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    name: str
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_batches_arrive_on_the_device_inside_any_container() -> None:
+    moved = to_device(
+        {"a": [Pair(torch.ones(1), torch.zeros(1))], "b": (Sample(torch.ones(2), "s"), 3)},
+        torch.device("meta"),
+        non_blocking=False,
+    )
+    assert moved["a"][0].x.device.type == "meta"
+    assert isinstance(moved["a"][0], Pair)
+    assert moved["b"][0].x.device.type == "meta"
+    assert moved["b"][0].name == "s"
+    assert moved["b"][1] == 3
+
+
+def test_the_loader_moves_batches_to_the_device_unless_told_not_to() -> None:
+    with distributed() as ctx:
+        default = ctx.dataloader(list(range(4)), batch_size=2)
+        assert all(batch.device == ctx.device for batch in default)
+        assert not default.pin_memory  # pinned memory only with CUDA: no warning on CPU
+        meta = ctx.dataloader(list(range(4)), batch_size=2, device="meta")
+        assert all(batch.device.type == "meta" for batch in meta)
+        untouched = ctx.dataloader([torch.ones(1)] * 2, batch_size=2, device=None)
+        assert [batch.device.type for batch in untouched] == ["cpu"]
+        assert isinstance(default, DataLoader)
+        assert (default.batch_size, len(default)) == (2, 2)

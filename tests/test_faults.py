@@ -39,12 +39,12 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_pa
         writer.wait(30)
     finally:
         writer.kill()
-    assert [p.name for p in checkpoint_paths(tmp_path)] == ["checkpoint-000001.pt"]
+    assert [p.name for p in checkpoint_paths(tmp_path)] == ["checkpoint-000001-epoch1.pt"]
     leftovers = list(tmp_path.glob(".checkpoint-*.tmp"))
     assert leftovers, "the killed writer's temporary file should still be there"
     with distributed() as ctx:
         assert ctx.load_checkpoint(tmp_path, model=torch.nn.Linear(4, 1)) == {"epoch": 1}
-    atomic_save({"x": 1}, tmp_path / "checkpoint-000002.pt")  # the next save of that name
+    atomic_save({"x": 1}, tmp_path / "checkpoint-000002-epoch2.pt")  # the next save of that name
     assert not any(p.exists() for p in leftovers)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,50 +50,83 @@ def test_the_same_seed_gives_the_same_weights(
     assert summary(tmp_path)["model_sha256"] == uninterrupted["model_sha256"]
 
 
+#: A small job for the resume tests: 3 epochs of 19 optimizer steps (2 micro-batches each)
+#: per rank, a checkpoint every 4 steps, so every epoch has mid-epoch checkpoints.
+SMALL = (
+    "--epochs", "3", "--length", "400", "--batch-size", "64", "--accumulate", "2",
+    "--save-every", "4", "--seed", "5",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted small run (no workers); its directory."""
+    out = tmp_path_factory.mktemp("small")
+    result = run_torchrun(SCRIPT, *SMALL, "--out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_checkpoints_are_named_by_epoch_and_step(small: Path) -> None:
+    names = sorted(p.name for p in (small / "checkpoints").iterdir())
+    assert names == ["checkpoint-000016-epoch2-step56.pt", "checkpoint-000017-epoch2-step57.pt"]
+
+
+def test_a_finished_run_is_not_trained_again_and_its_summary_is_kept(small: Path) -> None:
+    before = (small / "summary.json").read_bytes()
+    result = run_torchrun(SCRIPT, *SMALL, "--out", str(small), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("already complete (3 of 3 epochs)") == 1
+    assert "resuming" not in result.stdout
+    assert (small / "summary.json").read_bytes() == before
+
+
+def test_more_epochs_on_a_finished_run_is_one_clear_refusal(small: Path) -> None:
+    result = run_torchrun(SCRIPT, *SMALL, "--epochs", "6", "--out", str(small), timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("holds a run of --epochs 3") == 1  # rank 0 says it, once
+    assert "continue it with --epochs 3, or start a new run with another --out" in result.stderr
+    assert 'train_forecaster.py", line' not in result.stderr  # no traceback from the job
+
+
 @pytest.mark.slow
-def test_a_rank_killed_mid_run_resumes_to_the_same_weights(
-    uninterrupted: dict[str, Any], tmp_path: Path
+@pytest.mark.parametrize(
+    ("epoch", "workers"), [(1, 0), (2, 2)], ids=["epoch1-no-workers", "epoch2-2-workers"]
+)
+def test_a_rank_killed_mid_epoch_resumes_to_the_same_weights(
+    small: Path, tmp_path: Path, epoch: int, workers: int
 ) -> None:
     job = start_torchrun(
         SCRIPT,
-        "--epochs",
-        EPOCHS,
-        "--seed",
-        "3",
+        *SMALL,
+        "--workers",
+        str(workers),
         "--out",
         str(tmp_path),
         launcher_args=("--standalone", "--max-restarts=1"),
     )
     try:
-        deadline = time.monotonic() + 90
         checkpoints = tmp_path / "checkpoints"
-        while time.monotonic() < deadline:
-            names = (
-                [p.name for p in checkpoints.glob("checkpoint-*.pt")]
-                if checkpoints.exists()
-                else []
-            )
-            if any(name >= "checkpoint-000002.pt" for name in names):
-                break
-            time.sleep(0.02)
+        deadline = time.monotonic() + 90
+        while not list(checkpoints.glob(f"checkpoint-*-epoch{epoch}-step*.pt")):
+            assert time.monotonic() < deadline, "no checkpoint of that epoch appeared"
+            time.sleep(0.01)
         victims = child_pids(job.pid)
         assert victims, "no worker processes found under torchrun"
-        killed_after = sorted(names)[-1]
-        os.kill(max(victims), signal.SIGKILL)
+        os.kill(max(victims), signal.SIGKILL)  # right after its first mid-epoch checkpoint
         stdout, stderr = job.communicate(timeout=120)
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]
-    assert killed_after < f"checkpoint-{int(EPOCHS):06d}.pt", "the job finished before the kill"
-    assert "resuming from epoch" in stdout
+    assert re.search(rf"resuming from epoch {epoch}, step \d+ \(mid-epoch\)", stdout), stdout
     resumed = summary(tmp_path)
-    assert resumed["resumed_from_epoch"] is not None
-    assert resumed["model_sha256"] == uninterrupted["model_sha256"]
+    assert resumed["resumed_from_epoch"] == epoch
+    assert resumed["model_sha256"] == summary(small)["model_sha256"]
 
 
 def test_the_demo_runs_as_one_plain_python_process(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--epochs", "1", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--epochs", "1", "--length", "400", "--out", str(tmp_path)],
         cwd=REPO,
         env=child_env(),
         capture_output=True,

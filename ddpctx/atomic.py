@@ -1,0 +1,210 @@
+"""Files and directories that appear whole or not at all.
+
+- :func:`atomic_save`: ``torch.save`` into a temporary file beside the target
+  (created with the process umask, never in a shared temporary location),
+  fsync, rename over the target, fsync the directory. A crash leaves the old
+  file or the new one, never a torn one.
+- :func:`replace_dir`: the same for a directory someone else's code writes
+  (e.g. ``save_pretrained``): it is written under a temporary name and then
+  swapped in with one rename (``renameat2(RENAME_EXCHANGE)`` on Linux).
+
+Temporary names say who writes them: ``.<name>.<host>.<pid>.<random>.tmp``.
+A later save removes a temporary only when it is provably abandoned: written
+by a process of this host that no longer exists, or untouched for
+:data:`ABANDONED_AFTER_S` seconds. Another writer's file in progress is never
+touched.
+
+The bytes go to the file through ``os.write``, so a full disk is reported as
+``OSError(ENOSPC)`` naming the file ("no space left on device"), not as
+whatever the serializer makes of a short write; the target is left as it was.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "weights.pt"
+    >>> atomic_save({"w": torch.ones(2)}, target)
+    >>> torch.load(target, weights_only=True)["w"]
+    tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: A temporary untouched this long is taken as abandoned even if its writer's
+#: pid cannot be checked (another host on a shared filesystem).
+ABANDONED_AFTER_S = 24 * 3600
+
+_HOST = socket.gethostname().replace(".", "_") or "host"
+
+
+def temporary_name(target: Path, suffix: str = "tmp") -> Path:
+    """A fresh temporary path beside ``target`` that names this host and process."""
+    return target.parent / f".{target.name}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.{suffix}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def is_abandoned(temporary: Path, now: float | None = None) -> bool:
+    """True if ``temporary``'s writer provably gave up on it (dead pid here, or long untouched).
+
+    >>> is_abandoned(Path(f".x.pt.{_HOST}.{os.getpid()}.0a1b2c3d.tmp"))
+    False
+    """
+    parts = temporary.name.split(".")
+    try:
+        age = (now or time.time()) - temporary.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age > ABANDONED_AFTER_S:
+        return True
+    # .<name...>.<host>.<pid>.<random>.tmp -> host and pid are the 4th and 3rd from the end
+    if len(parts) >= 5 and parts[-4] == _HOST and parts[-3].isdigit():
+        return int(parts[-3]) != os.getpid() and not _pid_alive(int(parts[-3]))
+    return False  # another host's, or an unknown name: only age tells
+
+
+def remove_abandoned(target: Path, suffix: str = "tmp") -> None:
+    """Remove temporaries of ``target`` that their writers provably abandoned."""
+    for stale in target.parent.glob(f".{target.name}.*.{suffix}"):
+        if is_abandoned(stale):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
+class _FileSink:
+    """A write-only file object over a descriptor: every byte goes through ``os.write``."""
+
+    def __init__(self, descriptor: int) -> None:
+        self.descriptor = descriptor
+        self.written = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                count = os.write(self.descriptor, view)
+                self.written += count
+                view = view[count:]
+        except OSError as error:
+            self.error = error
+            raise
+        return len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def no_space_error(path: Path, error: OSError, written: int) -> OSError:
+    """The error a full disk becomes: it names the file and says nothing was replaced."""
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on device while saving {str(path)!r} ({written} bytes written before "
+        f"the disk filled; {os.strerror(error.errno or errno.ENOSPC)}). Nothing was replaced: "
+        "the previous file and older checkpoints are intact. Free space on that filesystem "
+        "or save elsewhere, then save again.",
+    )
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` that never leaves a torn file at ``path``."""
+    directory = path.parent
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"cannot save to {str(path)!r}: the directory {str(directory)!r} does not exist. "
+            "Create it first (os.makedirs), or save elsewhere."
+        )
+    remove_abandoned(path)
+    temporary = temporary_name(path)
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except PermissionError as error:
+        raise PermissionError(
+            f"cannot save to {str(path)!r}: no permission to create files in "
+            f"{str(directory)!r} ({error.strerror}). Save to a directory you can write."
+        ) from error
+    sink = _FileSink(descriptor)
+    try:
+        try:
+            torch.save(obj, sink)  # type: ignore[arg-type]
+            os.fsync(descriptor)
+        except Exception as error:
+            failure = sink.error if sink.error is not None else error
+            if isinstance(failure, OSError) and failure.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space_error(path, failure, sink.written) from error
+            raise
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: Path) -> None:
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. platforms that cannot open directories
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2``); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd = -100
+    result = renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), _RENAME_EXCHANGE)
+    if result != 0:
+        code = ctypes.get_errno()
+        if code in (errno.ENOSYS, errno.EINVAL):  # kernel or filesystem without it
+            return False
+        raise OSError(code, os.strerror(code), str(first))
+    return True
+
+
+def replace_dir(written: Path, path: Path) -> None:
+    """Put the directory ``written`` at ``path`` in one step; the old ``path`` is removed."""
+    fsync_directory(written)
+    if not path.exists():
+        os.rename(written, path)
+    elif _exchange(written, path):
+        shutil.rmtree(written)  # now holds the old directory
+    else:  # two renames: a crash in between leaves the old one under a .old name
+        old = temporary_name(path, "old")
+        os.rename(path, old)
+        os.rename(written, path)
+        shutil.rmtree(old)
+    fsync_directory(path.parent)

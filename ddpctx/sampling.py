@@ -1,0 +1,159 @@
+"""Which samples each rank reads in an epoch, and where a resumed epoch picks up.
+
+One epoch is one *order* of the dataset (a permutation seeded with the base
+seed and the epoch, the one torch's ``DistributedSampler`` draws, or
+``range`` without shuffling). Ranks are *dealt* positions of that order:
+rank ``r`` of ``W`` gets positions ``r, r + W, r + 2W, ...``. With
+``pad=True`` the order is first extended by repeating its start so every rank
+gets the same count (torch's rule); with ``pad=False`` shards differ by at
+most one and nothing repeats.
+
+A mid-epoch position is saved as a :class:`Position`: per rank, how many
+samples of its current deal were consumed, plus the positions already
+consumed before that deal (``done``, a bit mask; empty unless the epoch was
+itself resumed on another world size). Resuming:
+
+- on the same world size, rank ``r`` skips exactly its first ``consumed[r]``
+  samples, so the rest of the epoch is bit-identical to an uninterrupted run;
+- on another world size, every consumed position is marked done and the
+  positions left are dealt to the new ranks, so in that epoch no sample is
+  repeated or skipped (``pad=True`` still pads the remainder so ranks stay in
+  step).
+
+Skipping happens here, in the sampler: the skipped samples are never read.
+
+Example:
+    >>> sampler = ShardSampler(10, num_replicas=3, rank=2, shuffle=False)
+    >>> list(sampler)
+    [2, 5, 8]
+    >>> sampler.resume(Position(epoch=0, world_size=3, consumed=(1, 1, 1)))
+    >>> list(sampler)
+    [5, 8]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+
+@dataclass(frozen=True)
+class Position:
+    """How far an epoch got: ``consumed[r]`` samples of rank ``r``'s deal, after ``done``.
+
+    ``done`` is a packed bit mask over the epoch's order positions (``np.packbits``),
+    empty when the deal started at the beginning of the epoch.
+    """
+
+    epoch: int
+    world_size: int
+    consumed: tuple[int, ...]
+    done: bytes = b""
+
+
+def done_mask(length: int, packed: bytes) -> np.ndarray:
+    """The boolean mask of consumed order positions (all False when ``packed`` is empty)."""
+    if not packed:
+        return np.zeros(length, dtype=bool)
+    return np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=length).astype(bool)
+
+
+def deal(length: int, world_size: int, rank: int, pad: bool, done: np.ndarray) -> list[int]:
+    """The order positions rank ``rank`` reads: the positions not ``done``, dealt round-robin.
+
+    >>> deal(5, 2, 1, pad=True, done=np.zeros(5, dtype=bool))
+    [1, 3, 0]
+    """
+    left: list[int] = np.flatnonzero(~done).tolist()
+    if pad and left:
+        total = math.ceil(len(left) / world_size) * world_size
+        left = (left * math.ceil(total / len(left)))[:total]
+    return left[rank::world_size]
+
+
+def deal_length(length: int, world_size: int, rank: int, pad: bool, left: int) -> int:
+    """``len(deal(...))`` without building it (``left``: positions not done)."""
+    if pad:
+        return math.ceil(left / world_size) if left else 0
+    return len(range(rank, left, world_size))
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``rank``'s share of one (shuffled) order of ``length`` samples, resumable.
+
+    ``pad=True`` gives the shards torch's ``DistributedSampler`` gives (same
+    order, same padding); ``pad=False`` gives uneven shards without repeats.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        pad: bool = False,
+    ) -> None:
+        self.length = length
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.pad = pad
+        self.epoch = 0
+        self._resume: Position | None = None  # applies to the next pass of its epoch only
+        self.skip = 0  # samples of this rank's deal skipped by the pass under way
+        self._done = b""  # the done mask of the pass under way
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, position: Position) -> None:
+        """Start the next pass of ``position.epoch`` where ``position`` left off."""
+        if position.world_size == self.num_replicas:
+            self._resume = position
+            return
+        started = done_mask(self.length, position.done)  # where that deal started
+        done = started.copy()
+        for rank, consumed in enumerate(position.consumed):
+            for spot in deal(self.length, position.world_size, rank, self.pad, started)[:consumed]:
+                done[spot] = True
+        self._resume = Position(
+            position.epoch, self.num_replicas, (0,) * self.num_replicas, np.packbits(done).tobytes()
+        )
+
+    def _plan(self) -> tuple[int, bytes]:
+        """(skip, done mask) for a pass starting now."""
+        resume = self._resume
+        if resume is None or resume.epoch != self.epoch:
+            return 0, b""
+        return resume.consumed[self.rank], resume.done
+
+    def order(self) -> list[int]:
+        """This epoch's order of sample indices (the same on every rank)."""
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        self.skip, self._done = self._plan()
+        self._resume = None  # a later pass of the same epoch (evaluation again) reads it all
+        order = self.order()
+        done = done_mask(self.length, self._done)
+        spots = deal(self.length, self.num_replicas, self.rank, self.pad, done)
+        return iter([order[spot] for spot in spots[self.skip :]])
+
+    def __len__(self) -> int:
+        skip, packed = self._plan()
+        left = self.length - int(done_mask(self.length, packed).sum()) if packed else self.length
+        return max(deal_length(self.length, self.num_replicas, self.rank, self.pad, left) - skip, 0)
+
+    def done_bytes(self) -> bytes:
+        """The done mask the pass under way started from."""
+        return self._done
