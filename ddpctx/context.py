@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar, cast
 
 import contextlib2
 import torch
@@ -81,6 +81,7 @@ from ddpctx.group import (
     record_for_torchrun,
     should_record,
 )
+from ddpctx.identity import occupant, occupy
 from ddpctx.inflight import torch_detail_debug
 from ddpctx.loader import ShardLoader
 from ddpctx.packing import OpSpec
@@ -93,8 +94,6 @@ from ddpctx.watchdog import Doctor, HangSettings, resolve_hang_settings
 
 T = TypeVar("T")
 
-_current: DistContext | None = None
-
 
 def current() -> DistContext | None:
     """The active :class:`DistContext`, or None outside ``distributed()``.
@@ -102,7 +101,7 @@ def current() -> DistContext | None:
     >>> current() is None
     True
     """
-    return _current
+    return cast("DistContext | None", occupant())
 
 
 class DistContext:
@@ -603,10 +602,10 @@ class DistributedSession:
         self._cleanup = contextlib2.ExitStack()
 
     def __enter__(self) -> DistContext:
-        global _current
-        if _current is not None:
+        active = current()
+        if active is not None:
             raise RuntimeError(
-                f"distributed() is already active in this process ({_current!r}); nesting "
+                f"distributed() is already active in this process ({active!r}); nesting "
                 "would form a second process group. Use the context you have, or "
                 "ddpctx.current() to reach it from deeper code."
             )
@@ -631,8 +630,8 @@ class DistributedSession:
             if self._deterministic:
                 stack.callback(enable_deterministic())
             context = DistContext(plan.info, plan.backend, plan.device, plan.seed, self.close)
-            _current = context
-            stack.callback(_clear_current)
+            occupy(context)
+            stack.callback(occupy, None)
             self._cleanup = stack.pop_all()
         return context
 
@@ -653,11 +652,6 @@ class DistributedSession:
     def close(self) -> None:
         """Undo everything ``__enter__`` did; safe to call more than once."""
         self._cleanup.close()
-
-
-def _clear_current() -> None:
-    global _current
-    _current = None
 
 
 def _make_plan(

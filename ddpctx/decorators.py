@@ -33,11 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, ParamSpec, TypeVar, overload
-
-import torch.distributed as dist
 
 from ddpctx.collectives import (
     Reduction,
@@ -47,28 +44,13 @@ from ddpctx.collectives import (
     failed_reduction,
     report_failure,
 )
-from ddpctx.context import current
-from ddpctx.env import detect_launch
+from ddpctx.identity import whoami
 from ddpctx.packing import OpSpec
-from ddpctx.rankzero import Place, on_rank_zero, running_alone, zero_first
+from ddpctx.rankzero import on_rank_zero, running_alone, zero_first
 
 P = ParamSpec("P")
 R = TypeVar("R")
 D = TypeVar("D")
-
-
-def whoami() -> Place:
-    """This process's rank, world size, local rank and node, from wherever they are known."""
-    context = current()
-    if context is not None:
-        return Place(context.rank, context.world_size, context.local_rank, context.node_rank)
-    info = detect_launch(os.environ, rendezvous=False)  # a malformed RANK is a loud error
-    if not dist.is_initialized():
-        return Place(info.rank, 1, info.local_rank, info.node_rank)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if (info.rank, info.world_size) == (rank, world_size):
-        return Place(rank, world_size, info.local_rank, info.node_rank)
-    return Place(rank, world_size, rank, 0)  # a group without launcher variables: one node
 
 
 @overload

@@ -18,13 +18,12 @@ import sys
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+from ddpctx.identity import whoami
+
 T = TypeVar("T")
 
 
 def _rank() -> int:
-    # Imported here: DistContext.progress uses this module, and decorators sits above context.
-    from ddpctx.decorators import whoami
-
     return whoami().rank
 
 
