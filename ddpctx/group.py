@@ -41,6 +41,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from ddpctx.env import LaunchInfo
 from ddpctx.errors import is_follow_on
+from ddpctx.formation import form_group
 
 #: How long exit waits for ``destroy_process_group`` before giving up on it.
 DESTROY_TIMEOUT_S = 30.0
@@ -92,11 +93,13 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
     if info.world_size == 1:
         with loopback_gloo():
             store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not re-declared
-            dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
+            form_group(store, rank=0, world_size=1, **kwargs)
         return
     # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
     url = (
-        "env://" if info.launcher == "torchrun" else f"tcp://{info.master_addr}:{info.master_port}"
+        "env://"
+        if info.launcher in ("torchrun", "launch")
+        else f"tcp://{info.master_addr}:{info.master_port}"
     )
     store, _, _ = next(rendezvous(url, rank=info.rank, world_size=info.world_size, timeout=timeout))
     store.set_timeout(timeout)
