@@ -102,7 +102,7 @@ def main() -> None:
                     break
                 count = min(options.chunk, options.tests - totals[0] - totals[1])
                 *numbers, excerpt = run_chunk(Path(folder), count)
-                totals = [a + b for a, b in zip(totals, numbers)]
+                totals = [a + b for a, b in zip(totals, numbers, strict=True)]
                 if excerpt:
                     print(excerpt, file=sys.stderr)
                 print(
