@@ -33,7 +33,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddpctx.rankstate import RankState
 
 
 @dataclass
@@ -163,7 +166,7 @@ def _unpicklable(outcome: Outcome, error: Exception) -> Outcome:
     )
 
 
-def _run_task(rank: int, world_size: int, task: Task, start: Any) -> Outcome:
+def _run_task(rank: int, world_size: int, task: Task, start: RankState) -> Outcome:
     import torch.distributed as dist
 
     from ddpctx.rankstate import task_state
