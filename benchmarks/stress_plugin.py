@@ -67,14 +67,20 @@ def run_chunk(directory: Path, count: int) -> tuple[int, int, int, int, str]:
 
 
 def time_launch(calls: int) -> tuple[int, int]:
-    """``calls`` launches of a trivial function: (run, failed)."""
+    """``calls`` launches of a trivial function: (run, failed).
+
+    torch is imported first, as in a training script: otherwise every rank
+    imports it after the fork, and that import is what gets timed.
+    """
+    import torch  # noqa: F401
+
     from ddpctx import RankError, launch
 
     failed = 0
     for _ in range(calls):
         try:
             launch(lambda: None, world_size=2, timeout=60)
-        except RankError as error:
+        except RankError as error:  # a formation retry shows as one line on stderr
             failed += 1
             print(f"launch failed: {str(error).splitlines()[0][:200]}", file=sys.stderr)
     return calls, failed
@@ -106,7 +112,7 @@ def main() -> None:
                 if excerpt:
                     print(excerpt, file=sys.stderr)
                 print(
-                    f"  {totals[0] + totals[1]} run, {totals[1]} failed "
+                    f"  {totals[0] + totals[1]} run, {totals[1]} failed, {totals[3]} retries "
                     f"({time.monotonic() - started:.0f} s)",
                     flush=True,
                 )
