@@ -54,6 +54,7 @@ def run_chunk(directory: Path, count: int) -> tuple[int, int, int, int, str]:
         capture_output=True,
         text=True,
         cwd=directory,
+        env={**os.environ, "COLUMNS": "1000"},  # summary lines long enough to hold the error
         timeout=max(600, count * 2),
     )
     out = result.stdout + result.stderr
