@@ -12,7 +12,8 @@ ranks with the test function and its fixture values. Here, in the rank:
 Example:
     >>> capture = RankCapture()
     >>> with capture.installed():
-    ...     print("hello")
+    ...     print("hello")  # still printed, and recorded
+    hello
     >>> capture.readouterr().out
     'hello\\n'
 """
