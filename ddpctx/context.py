@@ -113,7 +113,8 @@ class DistContext:
         rank, world_size: global rank and number of processes.
         local_rank, local_world_size, node_rank: the same within this node.
         device: ``cuda:<local_rank>`` or ``cpu``; ``backend``: ``nccl``, ``gloo``, ...
-        launcher: ``"torchrun"``, ``"slurm"``, ``"mpi"`` or ``"single"``.
+        launcher: ``"torchrun"``, ``"slurm"``, ``"mpi"``, ``"launch"`` (``ddpctx.launch``
+            and the pytest plugin) or ``"single"``.
         seed: this rank's effective seed (``seed + rank``) or None.
         is_main, is_local_main: rank 0 globally / on this node.
         restart_count: how often an elastic launcher restarted the job.

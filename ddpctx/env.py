@@ -34,7 +34,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-Launcher = Literal["torchrun", "slurm", "mpi", "single"]
+Launcher = Literal["torchrun", "slurm", "mpi", "launch", "single"]
+
+#: Set by ``ddpctx.launch`` and the pytest plugin in their ranks: the env://
+#: variables there come from ddpctx, and ``ctx.launcher`` says ``"launch"``.
+LAUNCHER_VARIABLE = "DDPCTX_LAUNCHER"
 
 #: Collective timeout when neither ``timeout=`` nor ``DDPCTX_TIMEOUT`` says otherwise.
 #: Ten minutes: long enough for rank 0 to write a multi-gigabyte checkpoint to a
@@ -175,7 +179,7 @@ def _detect_env(environ: Mapping[str, str], rendezvous: bool) -> LaunchInfo:
         master_port = _read_port(environ, "MASTER_PORT")
     restarts = _optional_int(environ, "TORCHELASTIC_RESTART_COUNT", 0, fix)
     return LaunchInfo(
-        "torchrun",
+        "launch" if environ.get(LAUNCHER_VARIABLE) == "launch" else "torchrun",
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,

@@ -36,6 +36,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from ddpctx.env import LaunchInfo
 from ddpctx.errors import describe, is_follow_on
+from ddpctx.formation import form_group
 from ddpctx.signals import SIGTERM_STATUS
 
 TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported, not re-declared
@@ -90,9 +91,9 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
     if info.world_size == 1:
         with loopback_gloo():
             store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not re-declared
-            dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
+            form_group(store, rank=0, world_size=1, **kwargs)
         return
-    if info.launcher == "torchrun":
+    if info.launcher in ("torchrun", "launch"):
         # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
         store, _, _ = next(
             rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=timeout)

@@ -25,8 +25,15 @@ This module is the one engine behind :func:`launch` and the pytest plugin
 - **Hangs**: past ``timeout`` every rank dumps its Python stack (faulthandler
   on SIGUSR1, which works even inside a blocked C++ collective), then all are
   killed. The error carries every rank's stack.
-- **Clean-up**: workers die with their parent (``PR_SET_PDEATHSIG`` on
-  Linux), and every exit path -- Ctrl-C included -- kills what is still alive.
+- **Clean-up**: each worker leads a process group of its own. Stopping a
+  rank sends it SIGTERM (its ``finally`` blocks run), then SIGKILL to its
+  whole group, so the processes it started go too. Workers die with their
+  parent (``PR_SET_PDEATHSIG`` on Linux), and every exit path -- Ctrl-C, and
+  SIGTERM or SIGHUP to the caller of :func:`launch` -- stops what is still
+  alive and removes the ranks' temporary folder.
+- **Each task in the caller's world**: a task carries the caller's
+  environment and working directory, and a warm worker puts its own back
+  afterwards (:mod:`ddpctx.rankstate`).
 
 Example:
     >>> def rank_and_size(offset):
@@ -51,7 +58,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +69,8 @@ from ddpctx.worker import Outcome, Task, read_from, worker_main
 FOLLOW_ON_GRACE_S = 1.0
 #: Seconds ranks get to write their stacks after SIGUSR1.
 STACK_DUMP_WAIT_S = 1.0
+#: Seconds a rank that is stopped gets, after SIGTERM, to run its ``finally`` blocks.
+FINALLY_GRACE_S = 1.0
 
 
 class RankError(RuntimeError):
@@ -171,6 +180,7 @@ class RankPool:
     def __init__(self, world_size: int, first: Task | None = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be a positive int, e.g. 2.")
+        _refuse_inherited_group()
         if "fork" not in multiprocessing.get_all_start_methods():
             raise RuntimeError(
                 "ddpctx starts ranks by forking, which this platform does not offer "
@@ -181,6 +191,8 @@ class RankPool:
         self._directory = Path(tempfile.mkdtemp(prefix="ddpctx-ranks-"))  # mode 0700
         self._tasks = 0
         self._first = first
+        #: Each rank's captured ``(stdout, stderr)`` of the last task that succeeded.
+        self.last_outputs: list[tuple[str, str]] = []
         if first is not None:  # handed to the workers at fork time, as task 1
             first.store = self._store(1)
         context = multiprocessing.get_context("fork")
@@ -228,8 +240,17 @@ class RankPool:
         *,
         seed: int | None = None,
         timeout: float | None = None,
+        init: bool = True,
+        echo: bool = False,
     ) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank inside ``distributed(seed=seed)``."""
+        """Run ``fn(*args, **kwargs)`` on every rank inside ``distributed(seed=seed)``.
+
+        The ranks run it in this process's environment and working directory.
+        ``init=False``: no group is formed and ``fn`` runs outside
+        ``distributed()``, with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+        ``MASTER_PORT`` set, to form its own. ``echo=True`` streams each
+        rank's output here as it comes, every line prefixed ``[rank N]``.
+        """
         if not self.healthy:
             raise RuntimeError("this RankPool was spoiled by an earlier failure; start a new one")
         if timeout is not None and not timeout > 0:
@@ -239,7 +260,15 @@ class RankPool:
             self._first = None
         else:
             task = Task(
-                fn, tuple(args), dict(kwargs or {}), seed, timeout, self._store(self._tasks)
+                fn,
+                tuple(args),
+                dict(kwargs or {}),
+                seed,
+                timeout,
+                self._store(self._tasks),
+                environ=dict(os.environ),
+                cwd=os.getcwd(),
+                init=init,
             )
             try:
                 payload = pickle.dumps(task)
@@ -251,15 +280,20 @@ class RankPool:
                 ) from None
             for conn in self._conns:
                 conn.send_bytes(payload)
+        echoer = _Echo(self._directory, self.world_size) if echo else None
         try:
-            outcomes = self._collect(timeout)
+            outcomes = self._collect(timeout, echoer)
         except BaseException:
             self.healthy = False
             self.close()
             raise
+        finally:
+            if echoer is not None:
+                echoer.pump(final=True)
+        self.last_outputs = [(o.stdout, o.stderr) for o in outcomes]
         return [outcome.value for outcome in outcomes]
 
-    def _collect(self, timeout: float | None) -> list[Outcome]:
+    def _collect(self, timeout: float | None, echoer: _Echo | None = None) -> list[Outcome]:
         deadline = None if timeout is None else time.monotonic() + timeout
         outcomes: dict[int, Outcome] = {}
         first_bad: Outcome | None = None
@@ -268,6 +302,9 @@ class RankPool:
             now = time.monotonic()
             limits = [t for t in (deadline, grace_end) if t is not None]
             wait = None if not limits else max(0.0, min(limits) - now)
+            if echoer is not None:
+                echoer.pump()
+                wait = ECHO_INTERVAL_S if wait is None else min(wait, ECHO_INTERVAL_S)
             pending = [rank for rank in range(self.world_size) if rank not in outcomes]
             results: dict[Any, int] = {self._conns[rank]: rank for rank in pending}
             deaths: dict[Any, int] = {self._processes[rank].sentinel: rank for rank in pending}
@@ -308,8 +345,8 @@ class RankPool:
     def _outputs(self) -> list[tuple[str, str]]:
         return [
             (
-                read_from(self._directory / f"rank{rank}.out", 0)[-20000:],
-                read_from(self._directory / f"rank{rank}.err", 0)[-20000:],
+                read_from(self._directory / f"rank{rank}.out", 0),
+                read_from(self._directory / f"rank{rank}.err", 0),
             )
             for rank in range(self.world_size)
         ]
@@ -367,19 +404,41 @@ class RankPool:
         )
 
     def close(self) -> None:
-        """Stop every worker: politely if idle, by SIGKILL otherwise; then remove the files."""
+        """Stop every worker and what it started; then remove the files.
+
+        Idle workers are asked to stop; busy ones get SIGTERM (``distributed()``
+        turns it into ``SystemExit``, so the rank's ``finally`` blocks run) and
+        :data:`FINALLY_GRACE_S` to go. Then every worker's process group gets
+        SIGKILL: a rank's own subprocesses never outlive it.
+        """
         for conn in self._conns:
             with contextlib.suppress(Exception):
                 if self.healthy:
                     conn.send(None)
+        if self.healthy:
+            for process in self._processes:
+                process.join(0.5)
+        busy = [process for process in self._processes if process.is_alive()]
+        for process in busy:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + FINALLY_GRACE_S
+        for process in busy:
+            process.join(max(0.0, deadline - time.monotonic()))
         for process in self._processes:
-            process.join(0.5 if self.healthy else 0)
-            if process.is_alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            if process.is_alive():  # killed before it had a process group of its own
                 process.kill()
-                process.join(5)
+            process.join(5)
         for conn in self._conns:
             conn.close()
         self._conns, self._processes = [], []
+        for note in self._directory.glob("rank*.pymp"):  # see worker._record_multiprocessing_dir
+            with contextlib.suppress(OSError):
+                folder = Path(note.read_text())
+                if folder.name.startswith("pymp-") and folder != _own_multiprocessing_dir():
+                    shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(self._directory, ignore_errors=True)
         atexit.unregister(self.close)
 
@@ -414,20 +473,115 @@ def launch(
         [2, 2]
     """
     _check_cuda(world_size)
-    pool = RankPool(world_size, first=Task(fn, args, kwargs, seed, timeout, store=""))
-    try:
-        results = pool.run(fn, args, kwargs, seed=seed, timeout=timeout)
-        outputs = pool._outputs()
-    except RankError as error:
-        _echo(error.outputs)
-        if error.original is not None:
-            error.original.__cause__ = RemoteTraceback(error.remote_traceback)
-            raise error from error.original
-        raise
-    finally:
-        pool.close()
+    with _exit_on_hangup():
+        pool = RankPool(world_size, first=Task(fn, args, kwargs, seed, timeout, store=""))
+        try:
+            results = pool.run(fn, args, kwargs, seed=seed, timeout=timeout)
+            outputs = pool._outputs()
+        except RankError as error:
+            _echo(error.outputs)
+            if error.original is not None:
+                error.original.__cause__ = RemoteTraceback(error.remote_traceback)
+                raise error from error.original
+            raise
+        finally:
+            pool.close()
     _echo(outputs)
     return results
+
+
+@contextlib.contextmanager
+def _exit_on_hangup() -> Iterator[None]:
+    """While ranks run, SIGTERM and SIGHUP to this process become ``SystemExit(128 + n)``.
+
+    Their default action ends the process at once, leaving the ranks to die by
+    ``PR_SET_PDEATHSIG`` and their temporary folder behind; as an exception,
+    they unwind through :meth:`RankPool.close`. Only from the main thread, and
+    only where nobody installed a handler of their own.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {
+        signum: signal.getsignal(signum)
+        for signum in (signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(signum) is signal.SIG_DFL
+    }
+
+    def leave(signum: int, frame: object) -> None:
+        for number in previous:
+            signal.signal(number, signal.SIG_DFL)  # a second signal ends the process at once
+        raise SystemExit(128 + signum)
+
+    for signum in previous:
+        signal.signal(signum, leave)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _refuse_inherited_group() -> None:
+    """Refuse to fork ranks from a process that has a process group of its own.
+
+    Forked ranks would inherit the caller's group (and its ``distributed()``
+    context) and block destroying it, or form theirs beside it.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    raise RuntimeError(
+        f"launch() was called while this process is rank {dist.get_rank()} of a process "
+        f"group of {dist.get_world_size()} (inside `with distributed()`, after setup_ddp() "
+        "or init_process_group()); ranks forked from it would inherit that group. Call "
+        "launch() outside the `with distributed()` block, or after cleanup_ddp() / "
+        "torch.distributed.destroy_process_group()."
+    )
+
+
+#: Seconds between two looks at the ranks' output files when it is streamed.
+ECHO_INTERVAL_S = 0.1
+
+
+class _Echo:
+    """Streams the ranks' output files to this process's stdout/stderr, line by line."""
+
+    def __init__(self, directory: Path, world_size: int) -> None:
+        self._files = [
+            (rank, directory / f"rank{rank}.{name}", stream)
+            for rank in range(world_size)
+            for name, stream in (("out", "stdout"), ("err", "stderr"))
+        ]
+        self._offsets = {path: _size(path) for _, path, _ in self._files}
+
+    def pump(self, final: bool = False) -> None:
+        for rank, path, stream in self._files:
+            with contextlib.suppress(OSError):
+                with open(path, "rb") as handle:
+                    handle.seek(self._offsets[path])
+                    data = handle.read()
+                if not final:
+                    data = data[: data.rfind(b"\n") + 1]  # whole lines only, until the end
+                self._offsets[path] += len(data)
+                target = getattr(sys, stream)
+                for line in data.decode(errors="replace").splitlines():
+                    print(f"[rank {rank}] {line}", file=target, flush=True)
+
+
+def _own_multiprocessing_dir() -> Path | None:
+    """This process's ``pymp-*`` folder, if it has one (forked ranks inherit it: keep it)."""
+    folder = multiprocessing.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+    return Path(folder) if folder else None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _echo(outputs: list[tuple[str, str]]) -> None:

@@ -26,13 +26,17 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddpctx.rankstate import RankState
 
 
 @dataclass
@@ -43,6 +47,9 @@ class Task:
     seed: int | None
     timeout: float | None
     store: str  # FileStore path, fresh per task
+    environ: dict[str, str] | None = None  # the caller's environment, to run the task in
+    cwd: str | None = None  # the caller's working directory, likewise
+    init: bool = True  # False: no group; the task gets the rendezvous variables instead
 
 
 @dataclass
@@ -87,10 +94,14 @@ def worker_main(
 ) -> None:
     """A worker's whole life: take tasks until told to stop (or the parent is gone)."""
     _die_with_parent()
+    # A process group of its own: the parent can end the rank together with every process
+    # the rank started (DataLoader workers, a user's subprocesses) with one killpg.
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     out_path, err_path = _redirect_output(directory, rank)
     stacks = open(directory / f"rank{rank}.stack", "w")  # noqa: SIM115 -- worker lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    _record_multiprocessing_dir(directory, rank)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -98,6 +109,9 @@ def worker_main(
         # parallel region deadlocks. One intra-op thread per rank (torchrun's default too)
         # keeps torch from entering one.
         torch.set_num_threads(1)
+    from ddpctx.rankstate import capture
+
+    start = capture()
     task = first
     while True:
         if task is None:
@@ -108,7 +122,7 @@ def worker_main(
             if task is None:
                 return
         out_start, err_start = out_path.stat().st_size, err_path.stat().st_size
-        outcome = _run_task(rank, world_size, task)
+        outcome = _run_task(rank, world_size, task, start)
         sys.stdout.flush()
         sys.stderr.flush()
         outcome.stdout = read_from(out_path, out_start)
@@ -118,6 +132,19 @@ def worker_main(
         except Exception as error:  # the value or the exception would not pickle
             conn.send(_unpicklable(outcome, error))
         task = None
+
+
+def _record_multiprocessing_dir(directory: Path, rank: int) -> None:
+    """Create this process's ``pymp-*`` folder now and note where it is, for the parent.
+
+    Sending a tensor back to the parent starts a ``multiprocessing`` listener
+    whose socket lives in a ``pymp-*`` folder, removed when the process exits
+    normally -- never when a rank is killed after a peer failed. The parent
+    removes the folders noted here when it closes the pool.
+    """
+    import multiprocessing.util
+
+    (directory / f"rank{rank}.pymp").write_text(multiprocessing.util.get_temp_dir())
 
 
 def read_from(path: Path, offset: int) -> str:
@@ -139,32 +166,27 @@ def _unpicklable(outcome: Outcome, error: Exception) -> Outcome:
     )
 
 
-def _run_task(rank: int, world_size: int, task: Task) -> Outcome:
+def _run_task(rank: int, world_size: int, task: Task, start: RankState) -> Outcome:
     import torch.distributed as dist
 
-    from ddpctx.context import distributed
-    from ddpctx.env import resolve_timeout
-    from ddpctx.group import init_kwargs, loopback_gloo
+    from ddpctx.rankstate import task_state
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-    )
     try:
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        kwargs = init_kwargs(backend, device, resolve_timeout(task.timeout, os.environ))
-        with loopback_gloo():
-            store = dist.FileStore(task.store, world_size)  # type: ignore[attr-defined]
-            dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
-        with distributed(seed=task.seed, timeout=task.timeout):
-            value = task.fn(*task.args, **task.kwargs)
-        return Outcome(rank, "ok", value=value)
+        with task_state(start, task.environ, task.cwd):
+            os.environ.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                GROUP_RANK="0",
+                DDPCTX_LAUNCHER="launch",
+            )
+            try:
+                return Outcome(rank, "ok", value=_call(rank, world_size, task))
+            finally:
+                if dist.is_initialized():  # formed by ddpctx, or left behind by the task
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group()
     except BaseException as error:
         if _is_pytest_skip(error):
             return Outcome(rank, "skip", error_text=str(error))
@@ -176,12 +198,39 @@ def _run_task(rank: int, world_size: int, task: Task) -> Outcome:
             error_text=f"{type(error).__name__}: {error}",
             remote_traceback=text,
         )
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-            os.environ.pop(name, None)
+
+
+def _call(rank: int, world_size: int, task: Task) -> Any:
+    """Form the group (or hand out the rendezvous variables) and run the task's function."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpctx.context import distributed
+    from ddpctx.env import resolve_timeout
+    from ddpctx.formation import form_group
+    from ddpctx.group import init_kwargs, loopback_gloo
+
+    timeout = resolve_timeout(task.timeout, os.environ)
+    store = dist.FileStore(task.store, world_size)  # type: ignore[attr-defined]
+    store.set_timeout(timeout)
+    if not task.init:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=_agreed_port(store, rank))
+        return task.fn(*task.args, **task.kwargs)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    with loopback_gloo():
+        form_group(store, rank=rank, world_size=world_size, **init_kwargs(backend, device, timeout))
+    with distributed(seed=task.seed, timeout=task.timeout):
+        return task.fn(*task.args, **task.kwargs)
+
+
+def _agreed_port(store: Any, rank: int) -> str:
+    """A free loopback port, picked by rank 0 and read by the others from the task's store."""
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            store.set("ddpctx/master_port", str(probe.getsockname()[1]))
+    return bytes(store.get("ddpctx/master_port")).decode()
 
 
 _PACKAGE = str(Path(__file__).resolve().parent)

@@ -485,6 +485,13 @@ ROWS = [
         lambda _: launch(print, world_size=0),
     ),
     Row(
+        "launch()",
+        "called inside `with distributed()`",
+        RuntimeError,
+        "Call launch() outside the `with distributed()` block",
+        in_context(lambda c, t: launch(print, world_size=2)),
+    ),
+    Row(
         "Kronos helpers",
         "reduce_tensor(op='average')",
         ValueError,

@@ -16,28 +16,52 @@ fails that test alone, with every rank's Python stack. ``pytest.skip`` inside
 a rank skips the test. Under pytest-xdist each xdist worker has its own pools;
 rendezvous goes through files, so there are no ports to clash.
 
+Every test runs in the pytest process's world at the moment the body would
+run: its environment (fixtures' ``monkeypatch.setenv`` included) and working
+directory travel to the ranks with the test, and each rank puts its own back
+afterwards, with torch's default dtype, deterministic flags and generator
+states (:mod:`ddpctx.rankstate`). ``isolated=True`` gives a test fresh rank
+processes; ``init=False`` gives it the rendezvous variables instead of a
+group. With ``-s`` the ranks' output is streamed live, each line prefixed
+``[rank N]``; with ``-rP`` it is shown for passing tests too.
+
 This module imports neither torch nor ddpctx's torch-using modules at import
 time: pytest loads it in every session.
 """
 
 from __future__ import annotations
 
+import inspect
+import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ddpctx.testing.options import (
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WORLD_SIZE,
+    MARKER,
+    MarkerError,
+    Options,
+    parameters,
+    read,
+)
+from ddpctx.testing.rankside import (
+    CAPTURE_FIXTURES,
+    RANK_CAPTURE,
+    RANK_CONTEXT,
+    call_test_body,
+)
+
 if TYPE_CHECKING:
     from ddpctx.launcher import RankPool
 
-MARKER = "distributed"
-_WORLD_SIZE_PARAM = "_ddpctx_world_size"
-DEFAULT_WORLD_SIZE = 2
-DEFAULT_TIMEOUT_S = 60.0
+WORLD_SIZE_FIXTURE = "dist_world_size"
 
 
 class _Pools:
-    """One warm :class:`~ddpctx.launch.RankPool` per world size."""
+    """One warm :class:`~ddpctx.launcher.RankPool` per world size."""
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
@@ -49,27 +73,41 @@ class _Pools:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float,
-    ) -> list[Any]:
-        import pickle
-
+        *,
+        isolated: bool = False,
+        init: bool = True,
+        echo: bool = False,
+    ) -> tuple[list[Any], list[tuple[str, str]]]:
+        """Per-rank results and per-rank ``(stdout, stderr)``."""
         import torch  # noqa: F401 -- imported before forking, so workers start warm
 
         from ddpctx.launcher import RankPool
         from ddpctx.worker import Task
 
-        try:
-            pickle.dumps((fn, args, kwargs))
-        except Exception:  # a closure or lambda: fork fresh ranks with it in memory
-            with RankPool(world_size, first=Task(fn, args, kwargs, None, timeout, "")) as pool:
-                return pool.run(fn, args, kwargs, timeout=timeout)
+        if isolated or not _picklable((fn, args, kwargs)):
+            # Fresh ranks, forked with the function and its arguments in memory.
+            first = Task(fn, args, kwargs, None, timeout, "", init=init)
+            with RankPool(world_size, first=first) as pool:
+                results = pool.run(fn, args, kwargs, timeout=timeout, init=init, echo=echo)
+                return results, pool.last_outputs
         if world_size not in self._pools or not self._pools[world_size].healthy:
             self._pools[world_size] = RankPool(world_size)
-        return self._pools[world_size].run(fn, args, kwargs, timeout=timeout)
+        pool = self._pools[world_size]
+        results = pool.run(fn, args, kwargs, timeout=timeout, init=init, echo=echo)
+        return results, pool.last_outputs
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 _pools_key = pytest.StashKey[_Pools]()
@@ -78,8 +116,8 @@ _pools_key = pytest.StashKey[_Pools]()
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(world_size=2, timeout=60): run the test body on every rank inside "
-        "ddpctx.distributed(); world_size may be a list (one test per size).",
+        f"{MARKER}(world_size=2, timeout=60, isolated=False, init=True): run the test body on "
+        "every rank inside ddpctx.distributed(); world_size may be a list (one test per size).",
     )
     config.stash[_pools_key] = _Pools()
 
@@ -90,49 +128,50 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         pools.close()
 
 
-def _options(marker: pytest.Mark) -> tuple[int | list[int], float]:
-    if marker.args:
-        raise pytest.UsageError(
-            f"@pytest.mark.{MARKER} takes keywords only, e.g. "
-            f"@pytest.mark.{MARKER}(world_size=2, timeout=60); got {marker.args!r}."
-        )
-    unknown = set(marker.kwargs) - {"world_size", "timeout"}
-    if unknown:
-        raise pytest.UsageError(
-            f"@pytest.mark.{MARKER} got unknown option(s) {sorted(unknown)}; "
-            "it takes world_size and timeout."
-        )
-    sizes = marker.kwargs.get("world_size", DEFAULT_WORLD_SIZE)
-    timeout = marker.kwargs.get("timeout", DEFAULT_TIMEOUT_S)
-    for size in sizes if isinstance(sizes, (list, tuple)) else [sizes]:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise pytest.UsageError(
-                f"@pytest.mark.{MARKER}(world_size={sizes!r}): each size must be a positive "
-                "int, e.g. world_size=2 or world_size=[1, 2, 4]."
-            )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise pytest.UsageError(
-            f"@pytest.mark.{MARKER}(timeout={timeout!r}) must be a positive number of seconds, "
-            "e.g. timeout=60."
-        )
-    return (list(sizes) if isinstance(sizes, (list, tuple)) else sizes), float(timeout)
+def _marker_options(item: pytest.Item) -> Options | None:
+    """The options of the item's marker; a bad marker fails this test, in one line."""
+    marker = item.get_closest_marker(MARKER)
+    if marker is None:
+        return None
+    try:
+        return read(marker)
+    except MarkerError as error:
+        problem = str(error)
+    pytest.fail(problem, pytrace=False)  # outside the except: no chained traceback
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker(MARKER)
     if marker is None:
         return
-    sizes, _ = _options(marker)
-    if isinstance(sizes, list):
-        metafunc.fixturenames.append(_WORLD_SIZE_PARAM)
-        metafunc.parametrize(_WORLD_SIZE_PARAM, sizes, ids=[f"ws{size}" for size in sizes])
+    try:
+        options = read(marker)
+    except MarkerError:
+        return  # reported on the test itself, by _marker_options
+    if isinstance(options.world_sizes, list):
+        if WORLD_SIZE_FIXTURE not in metafunc.fixturenames:
+            metafunc.fixturenames.append(WORLD_SIZE_FIXTURE)
+        metafunc.parametrize(WORLD_SIZE_FIXTURE, parameters(options.world_sizes))
 
 
 @pytest.fixture
-def _ddpctx_world_size(request: pytest.FixtureRequest) -> int:
-    """The world size of a test marked with a list of sizes (set by parametrization)."""
-    size: int = request.param
-    return size
+def dist_world_size(request: pytest.FixtureRequest) -> int:
+    """The world size this test runs with (one value per size for a list of sizes).
+
+    Fixtures can depend on it, e.g. to size data per rank::
+
+        @pytest.fixture
+        def shards(dist_world_size):
+            return list(range(dist_world_size))
+    """
+    options = _marker_options(request.node)
+    if options is None:
+        raise pytest.UsageError(
+            f"the {WORLD_SIZE_FIXTURE} fixture only works in tests marked "
+            f"@pytest.mark.{MARKER}; add the marker."
+        )
+    assert isinstance(options.world_sizes, int)  # a list is parametrised instead
+    return options.world_sizes
 
 
 @pytest.fixture
@@ -140,17 +179,14 @@ def dist_ctx(request: pytest.FixtureRequest) -> Any:
     """The rank's :class:`~ddpctx.DistContext`, in a test marked ``@pytest.mark.distributed``.
 
     (In the pytest process itself this is a placeholder; each rank receives
-    its own context.)
+    its own context. With ``init=False`` it is None: there is no context.)
     """
     if request.node.get_closest_marker(MARKER) is None:
         raise pytest.UsageError(
             f"the dist_ctx fixture only works in tests marked @pytest.mark.{MARKER}; "
             "add the marker, or use the run_distributed fixture."
         )
-    return _RANK_CONTEXT
-
-
-_RANK_CONTEXT = "<the rank's DistContext>"
+    return RANK_CONTEXT
 
 
 @pytest.fixture
@@ -172,7 +208,7 @@ def run_distributed(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
         from ddpctx.launcher import RankError, RemoteTraceback
 
         try:
-            return pools.run(world_size, fn, args, kwargs, timeout)
+            return pools.run(world_size, fn, args, kwargs, timeout)[0]
         except RankError as error:
             if error.original is not None:
                 error.original.__cause__ = RemoteTraceback(error.remote_traceback)
@@ -182,47 +218,86 @@ def run_distributed(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
     return run
 
 
-def _call_test_body(test: Callable[..., Any], funcargs: dict[str, Any], wants_ctx: bool) -> None:
-    """Runs on each rank, inside distributed()."""
-    from ddpctx.context import current
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _marker_options(item)  # a bad marker fails here, before any fixture runs
 
-    if wants_ctx:
-        funcargs = {**funcargs, "dist_ctx": current()}
-    test(**funcargs)
+
+def _rank_timeout(item: pytest.Item, timeout: float) -> float:
+    """The marker's timeout, shortened to fire before pytest-timeout's for the same test.
+
+    pytest-timeout would interrupt this process and show the plugin's frames;
+    ending first gives the report with every rank's stack.
+    """
+    marker = item.get_closest_marker("timeout")
+    outer: Any = None
+    if marker is not None:
+        outer = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    if outer is None:
+        outer = item.config.getoption("timeout", None)
+    if outer is None:
+        try:
+            outer = item.config.getini("timeout")  # pytest-timeout's ini setting
+        except ValueError:  # pytest-timeout is not installed
+            outer = None
+    try:
+        outer = float(outer)
+    except (TypeError, ValueError):
+        return timeout
+    if outer <= 0:
+        return timeout
+    return float(min(timeout, outer - min(10.0, outer * 0.5)))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    marker = pyfuncitem.get_closest_marker(MARKER)
-    if marker is None:
+    options = _marker_options(pyfuncitem)
+    if options is None:
         return None
     __tracebackhide__ = True  # reports show the rank's traceback, not this hook's frame
-    sizes, timeout = _options(marker)
-    world_size = pyfuncitem.callspec.params[_WORLD_SIZE_PARAM] if isinstance(sizes, list) else sizes
+    if isinstance(options.world_sizes, list):
+        world_size = pyfuncitem.callspec.params[WORLD_SIZE_FIXTURE]
+    else:
+        world_size = options.world_sizes
     assert isinstance(world_size, int)
-    names = pyfuncitem._fixtureinfo.argnames  # the test's own parameters
-    funcargs = {
-        name: pyfuncitem.funcargs[name]
-        for name in names
-        if name not in ("dist_ctx", _WORLD_SIZE_PARAM)
-    }
-    wants_ctx = "dist_ctx" in names
+    test = pyfuncitem.obj
+    if inspect.isasyncgenfunction(test):
+        pytest.fail(
+            f"{pyfuncitem.name} is an async generator function; a distributed test must be a "
+            "function or an `async def` coroutine function.",
+            pytrace=False,
+        )
+    funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    if "dist_ctx" in funcargs:
+        funcargs["dist_ctx"] = RANK_CONTEXT
+    for name in CAPTURE_FIXTURES:
+        if name in funcargs:
+            funcargs[name] = RANK_CAPTURE
     pools = pyfuncitem.config.stash[_pools_key]
+    echo = pyfuncitem.config.getoption("capture", "fd") == "no"
 
     from ddpctx.launcher import RankError, RankSkipped, RankTimeoutError, RemoteTraceback, summary
 
     try:
-        pools.run(world_size, _call_test_body, (pyfuncitem.obj, funcargs, wants_ctx), {}, timeout)
+        _, outputs = pools.run(
+            world_size,
+            call_test_body,
+            (test, funcargs),
+            {},
+            _rank_timeout(pyfuncitem, options.timeout),
+            isolated=options.isolated,
+            init=options.init,
+            echo=echo,
+        )
     except RankError as caught:
         error = caught
     else:
+        if not echo:
+            _add_output_sections(pyfuncitem, outputs)
         return True
-    for rank, (out, err) in enumerate(error.outputs):
-        for text, stream in ((out, "stdout"), (err, "stderr")):
-            if text:
-                pyfuncitem.add_report_section("call", f"rank {rank} {stream}", text)
+    if not echo:
+        _add_output_sections(pyfuncitem, error.outputs)
     if isinstance(error, RankSkipped):
-        pytest.skip(f"rank {error.rank}: {error}")
+        raise pytest.skip.Exception(f"rank {error.rank}: {error}", _use_item_location=True)
     if isinstance(error, RankTimeoutError) or error.original is None:
         pytest.fail(str(error), pytrace=False)
     original = error.original
@@ -232,3 +307,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if hasattr(original, "add_note"):
         original.add_note(f"({where})")
     raise original from RemoteTraceback(f"{where}\n\n{error.remote_traceback}")
+
+
+def _add_output_sections(item: pytest.Item, outputs: list[tuple[str, str]]) -> None:
+    """Each rank's output as report sections (shown on failure, and with ``-rP``)."""
+    for rank, (out, err) in enumerate(outputs):
+        for text, stream in ((out, "stdout"), (err, "stderr")):
+            if text:
+                item.add_report_section("call", f"rank {rank} {stream}", text)
