@@ -62,6 +62,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpctx.env import check_timeout
 from ddpctx.errors import is_follow_on
 from ddpctx.worker import Outcome, Task, read_from, worker_main
 
@@ -253,8 +254,8 @@ class RankPool:
         """
         if not self.healthy:
             raise RuntimeError("this RankPool was spoiled by an earlier failure; start a new one")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, or None.")
+        if timeout is not None:  # before any rank sees it: inf or 1e20 would fail in every rank
+            check_timeout(timeout, f"timeout={timeout!r}")
         self._tasks += 1
         if self._first is not None:  # handed over at fork time: nothing to send
             self._first = None
@@ -473,6 +474,8 @@ def launch(
         [2, 2]
     """
     _check_cuda(world_size)
+    if timeout is not None:
+        check_timeout(timeout, f"timeout={timeout!r}")
     with _exit_on_hangup():
         pool = RankPool(world_size, first=Task(fn, args, kwargs, seed, timeout, store=""))
         try:

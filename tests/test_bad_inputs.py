@@ -486,6 +486,13 @@ ROWS = [
     ),
     Row(
         "launch()",
+        "timeout=inf",
+        ValueError,
+        "timeout=inf is outside the accepted range of 0.001 s to 31536000 s",
+        lambda _: launch(print, world_size=2, timeout=float("inf")),
+    ),
+    Row(
+        "launch()",
         "called inside `with distributed()`",
         RuntimeError,
         "Call launch() outside the `with distributed()` block",
