@@ -22,7 +22,8 @@ group: ranks exchange (sequence number, operation) in one two-number
 all-gather, and ranks in different collectives raise :class:`HangError` at
 once, naming every rank's call site, instead of waiting.
 
-Calls made with ``async_op=True`` return at once and are not tracked; names
+Calls made with ``async_op=True`` return at once; the ``Work`` handle they
+return is wrapped so that its ``wait()`` counts as the wait. Names
 bound before the block (``from torch.distributed import all_reduce``) bypass
 the wrappers.
 
@@ -217,8 +218,14 @@ def _collective(
     # The steps of Tracker.run, inlined: this runs on every collective of the job.
     @functools.wraps(original)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if tracker.op is not None or get_ident() != main or kwargs.get("async_op"):
+        if tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
+        if kwargs.get("async_op"):  # the wait happens later, in work.wait()
+            tracker.entered += 1
+            if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
+                check_lockstep(name, tracker.entered, sys._getframe(1))
+            work = original(*args, **kwargs)
+            return work if work is None else TrackedWork(work, tracker, label, main)
         tracker.op, tracker.since = label, monotonic()
         tracker.entered += 1
         try:
@@ -237,6 +244,38 @@ def _collective(
         return result
 
     return tracked
+
+
+class TrackedWork:
+    """A collective's ``Work`` handle whose ``wait()`` counts as waiting in that collective.
+
+    ``async_op=True`` collectives return at once; the wait -- where a hang
+    shows -- comes later (ddpctx's own reductions send this way too).
+    Everything else is the handle's own.
+    """
+
+    __slots__ = ("_label", "_main", "_tracker", "_work")
+
+    def __init__(self, work: Any, tracker: Tracker, label: str, main: int | None) -> None:
+        self._work, self._tracker, self._label, self._main = work, tracker, label, main
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        tracker = self._tracker
+        if tracker.op is not None or threading.get_ident() != self._main:
+            return self._work.wait(*args, **kwargs)
+        tracker.op, tracker.since = self._label, time.monotonic()
+        try:
+            return self._work.wait(*args, **kwargs)
+        except Exception as error:
+            if tracker.failure is not None:  # the hang was reported; the peers are going
+                raise tracker.failure from error
+            raise
+        finally:
+            tracker.op = None
+            tracker.completed += 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _backward(
