@@ -192,8 +192,10 @@ def test_two_hundred_cycles_leave_no_thread_or_file_behind(monkeypatch: pytest.M
 
 
 @pytest.mark.slow
-def test_two_hundred_cycles_under_torchrun_leave_no_thread_or_file_behind() -> None:
-    result = run_torchrun(REPO / "tests/scripts/hang_cycles.py", "200", nproc=2, timeout=280)
+def test_sixty_cycles_under_torchrun_leave_no_thread_or_file_behind() -> None:
+    # Counts must match exactly, so one leaked thread or fd per cycle shows at once; the
+    # in-process test above runs the full 200 cycles.
+    result = run_torchrun(REPO / "tests/scripts/hang_cycles.py", "60", nproc=2, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = re.findall(r"CYCLES threads=(\d+),(\d+) fds=(\d+),(\d+)", result.stdout)
     assert len(lines) == 2
