@@ -149,10 +149,14 @@ class Tracker:
     failure: HangError | None = None  # set by the watchdog under on_hang="raise"
     ddp_sync_pending: bool = False
 
-    def run(self, op: str, call: Callable[[], Any]) -> Any:
-        """``call()``, marked as a wait in ``op`` (the wrappers inline the same steps)."""
+    def run(self, op: str, call: Callable[[], Any], *, issued: bool = True) -> Any:
+        """``call()``, marked as a wait in ``op`` (the wrappers inline the same steps).
+
+        ``issued=False`` for the wait on a collective already counted when issued.
+        """
         self.op, self.since = op, time.monotonic()
-        self.entered += 1
+        if issued:
+            self.entered += 1
         try:
             return call()
         except Exception as error:
@@ -263,16 +267,7 @@ class TrackedWork:
         tracker = self._tracker
         if tracker.op is not None or threading.get_ident() != self._main:
             return self._work.wait(*args, **kwargs)
-        tracker.op, tracker.since = self._label, time.monotonic()
-        try:
-            return self._work.wait(*args, **kwargs)
-        except Exception as error:
-            if tracker.failure is not None:  # the hang was reported; the peers are going
-                raise tracker.failure from error
-            raise
-        finally:
-            tracker.op = None
-            tracker.completed += 1
+        return tracker.run(self._label, lambda: self._work.wait(*args, **kwargs), issued=False)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +14,9 @@ from ddpctx import RankZeroError, distributed, rank_zero_first, rank_zero_only
 from ddpctx.context import DistContext
 from ddpctx.errors import describe, is_follow_on
 from ddpctx.group import is_follow_on_exit, record_for_torchrun, should_record
+from tests.test_collectives import expect_error_everywhere as raises_everywhere
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=30)
-FAST = 10.0  # seconds: an error on every rank, not a wait for the collective timeout
-
-
-def raises_everywhere(fn: Any, error: type[BaseException]) -> BaseException:
-    started = time.monotonic()
-    with pytest.raises(error) as raised:
-        fn()
-    assert time.monotonic() - started < FAST
-    return raised.value
 
 
 @RANKS
