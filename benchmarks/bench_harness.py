@@ -62,7 +62,7 @@ def spawn_one_test(directory: Path, index: int) -> float:
 
 COLD = """
 import time; started = time.perf_counter()
-from ddpctx.launcher import RankPool
+from ddpctx.launching.pool import RankPool
 import torch
 def trivial():
     import torch, torch.distributed as dist
@@ -81,7 +81,7 @@ def main() -> None:
 
     import torch  # noqa: F401 -- the pytest process has torch loaded before the pool forks
 
-    from ddpctx.launcher import RankPool
+    from ddpctx.launching.pool import RankPool
 
     warm: list[float] = []
     with RankPool(2) as pool:

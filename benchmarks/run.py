@@ -152,7 +152,7 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from ddpctx import all_reduced, current
-    from ddpctx.watchdog import Doctor, HangSettings
+    from ddpctx.hang.watchdog import Doctor, HangSettings
 
     ctx = current()
     assert ctx is not None
@@ -305,7 +305,7 @@ def startup_single(rounds: int) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     from ddpctx import distributed
-    from ddpctx.group import loopback_gloo
+    from ddpctx.session.group import loopback_gloo
 
     results: dict[str, list[float]] = {"raw init + destroy": [], "with distributed()": []}
     for _ in range(rounds):

@@ -15,7 +15,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddpctx.collectives import ReductionError
     from ddpctx.compat import (
         cleanup_ddp,
         format_time,
@@ -24,37 +23,39 @@ if TYPE_CHECKING:
         set_seed,
         setup_ddp,
     )
-    from ddpctx.context import DistContext, DistributedSession, current, distributed
-    from ddpctx.decorators import all_reduced, rank_zero_first, rank_zero_only
-    from ddpctx.inflight import HangError
-    from ddpctx.launcher import RankError, RankTimeoutError, launch
-    from ddpctx.rankzero import RankZeroError
-    from ddpctx.report import get_logger, progress
+    from ddpctx.hang.inflight import HangError
+    from ddpctx.launching.launcher import RankError, RankTimeoutError, launch
+    from ddpctx.rankzero.decorators import all_reduced, rank_zero_first, rank_zero_only
+    from ddpctx.rankzero.outcome import RankZeroError
+    from ddpctx.rankzero.report import get_logger, progress
+    from ddpctx.reduce.collectives import ReductionError
+    from ddpctx.session.context import DistributedSession, current, distributed
+    from ddpctx.session.distcontext import DistContext
 
 __version__ = "0.1.0"
 
 _HOMES = {
-    "ReductionError": "ddpctx.collectives",
+    "ReductionError": "ddpctx.reduce.collectives",
     "cleanup_ddp": "ddpctx.compat",
     "format_time": "ddpctx.compat",
     "get_model_size": "ddpctx.compat",
     "reduce_tensor": "ddpctx.compat",
     "set_seed": "ddpctx.compat",
     "setup_ddp": "ddpctx.compat",
-    "DistContext": "ddpctx.context",
-    "DistributedSession": "ddpctx.context",
-    "current": "ddpctx.context",
-    "distributed": "ddpctx.context",
-    "all_reduced": "ddpctx.decorators",
-    "rank_zero_first": "ddpctx.decorators",
-    "rank_zero_only": "ddpctx.decorators",
-    "HangError": "ddpctx.inflight",
-    "RankError": "ddpctx.launcher",
-    "RankTimeoutError": "ddpctx.launcher",
-    "launch": "ddpctx.launcher",
-    "RankZeroError": "ddpctx.rankzero",
-    "get_logger": "ddpctx.report",
-    "progress": "ddpctx.report",
+    "DistContext": "ddpctx.session.distcontext",
+    "DistributedSession": "ddpctx.session.context",
+    "current": "ddpctx.session.context",
+    "distributed": "ddpctx.session.context",
+    "all_reduced": "ddpctx.rankzero.decorators",
+    "rank_zero_first": "ddpctx.rankzero.decorators",
+    "rank_zero_only": "ddpctx.rankzero.decorators",
+    "HangError": "ddpctx.hang.inflight",
+    "RankError": "ddpctx.launching.launcher",
+    "RankTimeoutError": "ddpctx.launching.launcher",
+    "launch": "ddpctx.launching.launcher",
+    "RankZeroError": "ddpctx.rankzero.outcome",
+    "get_logger": "ddpctx.rankzero.report",
+    "progress": "ddpctx.rankzero.report",
 }
 
 __all__ = [

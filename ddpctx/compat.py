@@ -24,9 +24,9 @@ import sys
 import torch
 from torch import nn
 
-from ddpctx.collectives import Site, all_reduce_tree, check_op, group_size
-from ddpctx.context import current, distributed
-from ddpctx.seeding import seed_everything, validate_seed
+from ddpctx.reduce.collectives import Site, all_reduce_tree, check_op, group_size
+from ddpctx.session.context import current, distributed
+from ddpctx.utils.seeding import seed_everything, validate_seed
 
 
 def setup_ddp() -> tuple[int, int, int]:

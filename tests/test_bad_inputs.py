@@ -30,7 +30,7 @@ from ddpctx import (
     reduce_tensor,
     set_seed,
 )
-from ddpctx.checkpoint import atomic_save, training_state
+from ddpctx.checkpoint.files import atomic_save, training_state
 from tests.helpers import REPO
 
 TORCHRUN = {

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ddpctx import DistContext, RankZeroError, distributed
-from ddpctx.atomic import _FileSink
-from ddpctx.checkpoint import atomic_save, training_state
+from ddpctx.checkpoint.files import atomic_save, training_state
+from ddpctx.utils.atomic import _FileSink
 from tests.helpers import REPO, child_env, wait_for_files
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
@@ -92,7 +92,7 @@ def test_a_temporary_file_another_live_writer_is_writing_is_left_alone(tmp_path:
 SLOW_WRITER = """
 import sys, time
 from pathlib import Path
-from ddpctx.atomic import atomic_save
+from ddpctx.utils.atomic import atomic_save
 
 class Slow:
     def __reduce__(self):

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpctx import __version__
-from ddpctx.cli import _merge, interface_problems
+from ddpctx.cli import interface_problems, merge
 from tests.helpers import REPO, child_env
 
 
@@ -183,7 +183,7 @@ def test_check_inside_a_torchrun_job_uses_the_jobs_ranks() -> None:
 def test_a_failure_on_any_rank_fails_that_collective_and_names_the_rank() -> None:
     ok = {"collective": "all_reduce", "bytes": 4, "ok": True, "latency_ms": 0.1}
     bad = {"collective": "all_reduce", "bytes": 4, "ok": False, "error": "RuntimeError: boom"}
-    merged = _merge([[ok], [bad]])
+    merged = merge([[ok], [bad]])
     assert merged[0]["ok"] is False
     assert merged[0]["failures"] == ["rank 1: RuntimeError: boom"]
 

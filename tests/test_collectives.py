@@ -24,7 +24,7 @@ from ddpctx import (
     rank_zero_first,
     rank_zero_only,
 )
-from ddpctx.rankzero import Outcome, Place, share
+from ddpctx.rankzero.outcome import Outcome, Place, share
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 FAST = 5.0  # seconds within which a failure must reach every rank

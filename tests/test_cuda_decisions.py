@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import ddpctx
 from ddpctx import distributed
-from ddpctx.context import _make_plan
-from ddpctx.group import init_kwargs
+from ddpctx.session.context import _make_plan
+from ddpctx.session.group import init_kwargs
 
 TWO_RANKS = {
     "RANK": "1",

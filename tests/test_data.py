@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from ddpctx import DistContext, distributed
-from ddpctx.loader import to_device
+from ddpctx.data.loader import to_device
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from ddpctx.env import (
+from ddpctx.utils.env import (
     DEFAULT_TIMEOUT,
     LaunchInfo,
     detect_launch,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ddpctx import distributed
-from ddpctx.checkpoint import atomic_save, checkpoint_paths
-from ddpctx.launcher import RankPool
+from ddpctx.checkpoint.files import atomic_save, checkpoint_paths
+from ddpctx.launching.pool import RankPool
 from tests.helpers import (
     REPO,
     child_env,

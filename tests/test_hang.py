@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import ddpctx
 from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
-from ddpctx.hangreport import RankState, format_report
-from ddpctx.watchdog import resolve_hang_settings
+from ddpctx.hang.report import RankState, format_report
+from ddpctx.hang.watchdog import resolve_hang_settings
 from tests.helpers import REPO, run_torchrun
 
 SCRIPT = REPO / "tests" / "scripts" / "hang_case.py"
@@ -373,7 +373,7 @@ def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> No
 
 
 def test_a_report_printed_earlier_is_appended_to_the_error_torchrun_shows(tmp_path: Path) -> None:
-    from ddpctx.group import record_for_torchrun
+    from ddpctx.utils.errors import record_for_torchrun
 
     error_file = tmp_path / "error.json"
     record_for_torchrun(

@@ -1,13 +1,38 @@
-"""The package's layers point one way: no module imports, even lazily, one that imports it back."""
+"""The package's layers point one way: subsystems import only those below them, and no circle."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO
 
 PACKAGE = REPO / "ddpctx"
+
+#: Each subsystem (a subpackage of ddpctx) and the subsystems it may import.
+#: Pure helpers at the bottom; the session above the subsystems it composes;
+#: launching, testing and the command line on top. The package's own modules
+#: (``__init__``, ``compat``, the old-path shims) are the top and may import anything.
+MAY_IMPORT: dict[str, set[str]] = {
+    "utils": set(),
+    "reduce": {"utils"},
+    "data": {"utils"},
+    "hang": {"utils"},
+    "rankzero": {"utils", "reduce"},
+    "parallel": {"utils", "data"},
+    "checkpoint": {"utils", "reduce", "rankzero", "data", "parallel"},
+    "session": {"utils", "reduce", "rankzero", "data", "parallel", "checkpoint", "hang"},
+    "launching": {"utils", "session"},
+    "testing": {"utils", "session", "launching"},
+    "cli": {"utils", "reduce", "rankzero", "session", "launching"},
+}
+
+#: Modules allowed past ~400 lines; each says why in its docstring.
+LONG_MODULE_LINES = 400
 
 
 def imports_of(path: Path) -> set[str]:
@@ -23,6 +48,40 @@ def imports_of(path: Path) -> set[str]:
 
 def module_name(path: Path) -> str:
     return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def subsystem(module: str) -> str | None:
+    """``ddpctx.reduce.wire`` -> ``reduce``; None for the package's own top modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else None
+
+
+def test_every_subpackage_is_a_known_subsystem() -> None:
+    found = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert found == set(MAY_IMPORT), "add the new subsystem to MAY_IMPORT with its allowed imports"
+
+
+@pytest.mark.parametrize("name", sorted(MAY_IMPORT))
+def test_each_subpackage_opens_with_its_contract_and_what_it_may_import(name: str) -> None:
+    doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+    assert doc, f"ddpctx/{name}/__init__.py has no docstring"
+    assert name == "testing" or "May import" in doc, (
+        f"ddpctx.{name} does not say what it may import"
+    )
+
+
+def test_subsystems_import_only_the_layers_below_them() -> None:
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        own = subsystem(importer)
+        if own is None:
+            continue
+        for imported in sorted(imports_of(path)):
+            theirs = subsystem(imported)
+            if theirs is not None and theirs != own and theirs not in MAY_IMPORT[own]:
+                upward.append(f"{importer} imports {imported} ({own} may not import {theirs})")
+    assert upward == [], "imports against the layers:\n" + "\n".join(upward)
 
 
 def test_no_module_is_part_of_an_import_circle() -> None:
@@ -43,3 +102,45 @@ def test_no_module_is_part_of_an_import_circle() -> None:
                 elif imported not in path:
                     stack.append((imported, [*path, imported]))
     assert circles == [], "import circles:\n" + "\n".join(sorted(set(circles)))
+
+
+def test_a_long_module_says_why_it_is_long() -> None:
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if lines > LONG_MODULE_LINES and "Why one module" not in doc:
+            unexplained.append(f"{path.relative_to(REPO)}: {lines} lines")
+    assert unexplained == [], (
+        "split these, or say 'Why one module' in the docstring:\n" + "\n".join(unexplained)
+    )
+
+
+@pytest.mark.parametrize(
+    ("old", "name"),
+    [
+        ("ddpctx.context", "distributed"),
+        ("ddpctx.context", "DistContext"),
+        ("ddpctx.decorators", "rank_zero_only"),
+        ("ddpctx.launcher", "launch"),
+    ],
+)
+def test_an_old_module_path_still_imports_with_a_deprecation_warning(old: str, name: str) -> None:
+    code = f"import warnings; warnings.simplefilter('error'); from {old} import {name}"
+    moved = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert moved.returncode != 0
+    assert "DeprecationWarning" in moved.stderr
+    assert "moved to ddpctx." in moved.stderr
+    assert "from ddpctx import" in moved.stderr
+    ok = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", f"from {old} import {name}"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_the_testing_plugin_still_imports_without_a_warning() -> None:
+    code = "import warnings; warnings.simplefilter('error'); import ddpctx.testing.plugin"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

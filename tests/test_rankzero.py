@@ -11,9 +11,14 @@ from typing import Any
 import pytest
 
 from ddpctx import RankZeroError, distributed, rank_zero_first, rank_zero_only
-from ddpctx.context import DistContext
-from ddpctx.errors import describe, is_follow_on
-from ddpctx.group import is_follow_on_exit, record_for_torchrun, should_record
+from ddpctx.session.context import DistContext
+from ddpctx.utils.errors import (
+    describe,
+    is_follow_on,
+    is_follow_on_exit,
+    record_for_torchrun,
+    should_record,
+)
 from tests.test_collectives import expect_error_everywhere as raises_everywhere
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=30)

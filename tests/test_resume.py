@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpctx import DistContext, current, distributed
-from ddpctx.sampling import Position, ShardSampler
+from ddpctx.data.sampling import Position, ShardSampler
 
 
 def context() -> DistContext:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpctx.signals import GRACE_S
+from ddpctx.session.signals import GRACE_S
 from tests.helpers import REPO, child_env, child_pids, start_torchrun, still_running, wait_for_files
 
 TARGET = REPO / "tests" / "scripts" / "sigterm_target.py"

@@ -19,4 +19,8 @@ Example (a test file)::
         value = torch.tensor([float(dist_ctx.rank)])
         dist.all_reduce(value)
         assert value.item() == 1.0
+
+May import: :mod:`ddpctx.utils`, :mod:`ddpctx.session`, :mod:`ddpctx.launching`
+(and nothing at all at import time: pytest loads the plugin in every run,
+so importing it must not import torch).
 """

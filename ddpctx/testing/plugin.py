@@ -1,6 +1,6 @@
 """The pytest plugin: ``@pytest.mark.distributed``, ``dist_ctx``, ``run_distributed``.
 
-Ranks come from warm pools of worker processes (:class:`ddpctx.launcher.RankPool`),
+Ranks come from warm pools of worker processes (:class:`ddpctx.launching.pool.RankPool`),
 one pool per world size, kept for the whole session; every test gets a fresh
 process group. Workers are forked from the pytest process after collection,
 with torch already imported, so they hold the same test modules -- with
@@ -20,7 +20,7 @@ Every test runs in the pytest process's world at the moment the body would
 run: its environment (fixtures' ``monkeypatch.setenv`` included) and working
 directory travel to the ranks with the test, and each rank puts its own back
 afterwards, with torch's default dtype, deterministic flags and generator
-states (:mod:`ddpctx.rankstate`). ``isolated=True`` gives a test fresh rank
+states (:mod:`ddpctx.launching.taskstate`). ``isolated=True`` gives a test fresh rank
 processes; ``init=False`` gives it the rendezvous variables instead of a
 group. With ``-s`` the ranks' output is streamed live, each line prefixed
 ``[rank N]``; with ``-rP`` it is shown for passing tests too.
@@ -55,13 +55,13 @@ from ddpctx.testing.rankside import (
 )
 
 if TYPE_CHECKING:
-    from ddpctx.launcher import RankPool
+    from ddpctx.launching.pool import RankPool
 
 WORLD_SIZE_FIXTURE = "dist_world_size"
 
 
 class _Pools:
-    """One warm :class:`~ddpctx.launcher.RankPool` per world size."""
+    """One warm :class:`~ddpctx.launching.pool.RankPool` per world size."""
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
@@ -81,8 +81,8 @@ class _Pools:
         """Per-rank results and per-rank ``(stdout, stderr)``."""
         import torch  # noqa: F401 -- imported before forking, so workers start warm
 
-        from ddpctx.launcher import RankPool
-        from ddpctx.worker import Task
+        from ddpctx.launching.pool import RankPool
+        from ddpctx.launching.worker import Task
 
         if isolated or not _picklable((fn, args, kwargs)):
             # Fresh ranks, forked with the function and its arguments in memory.
@@ -205,7 +205,7 @@ def run_distributed(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
         timeout: float = DEFAULT_TIMEOUT_S,
         **kwargs: Any,
     ) -> list[Any]:
-        from ddpctx.launcher import RankError, RemoteTraceback
+        from ddpctx.launching.failures import RankError, RemoteTraceback
 
         try:
             return pools.run(world_size, fn, args, kwargs, timeout)[0]
@@ -275,7 +275,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     pools = pyfuncitem.config.stash[_pools_key]
     echo = pyfuncitem.config.getoption("capture", "fd") == "no"
 
-    from ddpctx.launcher import RankError, RankSkipped, RankTimeoutError, RemoteTraceback, summary
+    from ddpctx.launching.failures import (
+        RankError,
+        RankSkipped,
+        RankTimeoutError,
+        RemoteTraceback,
+        summary,
+    )
 
     try:
         _, outputs = pools.run(

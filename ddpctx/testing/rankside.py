@@ -101,7 +101,7 @@ def call_test_body(test: Callable[..., Any], funcargs: dict[str, Any]) -> None:
     The values sent for ``dist_ctx``, ``capsys`` and ``capfd`` are
     placeholders (:data:`RANK_CONTEXT`, :data:`RANK_CAPTURE`), replaced here.
     """
-    from ddpctx.context import current
+    from ddpctx.session.context import current
 
     funcargs = dict(funcargs)
     capture = RankCapture()

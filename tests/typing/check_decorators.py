@@ -11,7 +11,7 @@ import torch
 from typing_extensions import assert_type
 
 from ddpctx import all_reduced, rank_zero_only
-from ddpctx.collectives import Reduction
+from ddpctx.reduce.collectives import Reduction
 
 
 @rank_zero_only

@@ -1,0 +1,136 @@
+"""Checkpoints' face on :class:`~ddpctx.DistContext`: save/load a file, save/load a run.
+
+:class:`CheckpointFaces` is mixed into ``DistContext``; the work is in
+:mod:`ddpctx.checkpoint.resume` (a whole run) and :mod:`ddpctx.utils.atomic`
+(one file).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpctx.checkpoint import resume
+from ddpctx.checkpoint.files import load_file
+from ddpctx.data.dataloader import apply_position
+from ddpctx.data.loader import ShardLoader
+from ddpctx.data.sampling import Position
+from ddpctx.rankzero.outcome import on_rank_zero
+from ddpctx.utils.atomic import atomic_save
+from ddpctx.utils.identity import Place
+
+
+class CheckpointFaces:
+    """``ctx.save``, ``ctx.load``, ``ctx.save_checkpoint``, ``ctx.load_checkpoint``."""
+
+    device: torch.device
+    base_seed: int | None
+    all_gather: Callable[[Any], list[Any]]
+    _place: Callable[[], Place]
+    _loaders: list[ShardLoader]
+    _resume_positions: list[tuple[Position | None, int]]
+
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
+        """Rank 0 writes ``obj`` atomically (temporary file, fsync, rename); every rank waits.
+
+        A failed write raises on every rank (:class:`~ddpctx.RankZeroError` on the others).
+
+        >>> from ddpctx import distributed
+        >>> import tempfile, os
+        >>> with distributed() as ctx:
+        ...     ctx.save({"step": 1}, os.path.join(tempfile.mkdtemp(), "state.pt"))
+        """
+        on_rank_zero(self._place(), lambda: atomic_save(obj, Path(path)), broadcast=False)
+
+    def load(self, path: str | os.PathLike[str], weights_only: bool = True) -> Any:
+        """Load ``path`` on every rank, tensors mapped to :attr:`device`.
+
+        ``weights_only=True`` (the default) refuses pickled code; pass False
+        only for files you trust.
+        """
+        return load_file(Path(path), self.device, weights_only)
+
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
+        keep: int = 2,
+        **meta: Any,
+    ) -> Path:
+        """Save the training state, every rank's random state and every loader's position.
+
+        Writes a new checkpoint named for its epoch and step (see
+        :mod:`ddpctx.checkpoint.files`), keeps the newest ``keep``, and returns its
+        path on every rank. ``scaler`` (AMP) and ``extra`` (name -> object
+        with ``state_dict``) are saved too. ``meta`` (e.g. ``epoch=3``) comes
+        back from :meth:`load_checkpoint`; NumPy values, paths and
+        namespaces are converted, anything that would not load is refused
+        here (see :mod:`ddpctx.checkpoint.meta`). Call it every K steps with ``step=``
+        to resume mid-epoch.
+        """
+        return resume.save(
+            self._place(),
+            self.all_gather,
+            self._loaders,
+            self.base_seed,
+            Path(directory),
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            extra=extra,
+            step=step,
+            keep=keep,
+            meta=meta,
+        )
+
+    def load_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: dict[str, Any] | None = None,
+        allow_world_size_change: bool = False,
+    ) -> dict[str, Any] | None:
+        """Restore the newest loadable checkpoint in ``directory``; return its meta.
+
+        None only when ``directory`` holds no checkpoint at all. Restores the
+        model, optimizer, scheduler, scaler, ``extra``, this rank's random
+        state and every loader's position, so the run continues exactly as
+        an uninterrupted one would (``step`` is in the meta when it was
+        saved). Torn files are skipped with a warning; a file that reads but
+        is refused is an error, as is a directory where no checkpoint loads.
+        A checkpoint from another world size is an error unless
+        ``allow_world_size_change=True`` (see :mod:`ddpctx.checkpoint.resume`).
+        """
+        meta, positions = resume.load(
+            self._place(),
+            self.device,
+            self._loaders,
+            self.base_seed,
+            Path(directory),
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            extra=extra,
+            allow_world_size_change=allow_world_size_change,
+        )
+        self._resume_positions = positions
+        for index, loader in enumerate(self._loaders[: len(positions)]):
+            apply_position(loader, index, *positions[index])
+        return meta

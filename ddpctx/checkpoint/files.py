@@ -1,0 +1,225 @@
+"""Training checkpoint files: their names, which one is newest, which ones to prune.
+
+- A training checkpoint is one file written by :func:`~ddpctx.utils.atomic.atomic_save`,
+  named for its order and for what it holds: ``checkpoint-000007-epoch3.pt``,
+  ``checkpoint-000012-epoch5-step1200.pt`` (the six digits count saves and
+  order them; the rest is for people). It holds the bare model's state, the
+  optimizer's, scheduler's, AMP scaler's and any ``extra`` objects' states,
+  the caller's meta (converted by :mod:`ddpctx.checkpoint.meta` so it always loads), the
+  world size, the position of every loader (:mod:`ddpctx.data.sampling`), and
+  **every rank's** generator states, so each rank resumes with exactly its
+  own random stream.
+- :func:`newest_checkpoint` tells three cases apart: a file *torn* by a crash
+  (not a readable torch file: skipped with a warning, the next older one is
+  used), a file that reads but is *refused* (``weights_only`` refuses what it
+  holds, or it is not a ddpctx checkpoint: an error naming it, never skipped
+  silently), and no checkpoint at all (None). When checkpoints exist and none
+  loads, that is an error too, never "start over".
+- :func:`prune` never deletes the newest loadable checkpoint.
+
+Everything is loaded with ``weights_only=True``: the states are stored as
+tensors and plain numbers, so no pickled code is ever needed.
+
+This module does the file work; :class:`ddpctx.DistContext` decides which rank
+writes and makes the others wait.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "weights.pt"
+    >>> atomic_save({"w": torch.ones(2)}, target)
+    >>> torch.load(target, weights_only=True)["w"]
+    tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpctx.parallel.wrapping import unwrap_model
+from ddpctx.utils.atomic import atomic_save
+
+__all__ = [
+    "FORMAT",
+    "atomic_save",
+    "check_world_size",
+    "checkpoint_paths",
+    "load_file",
+    "newest_checkpoint",
+    "next_checkpoint_path",
+    "prune",
+    "training_state",
+    "unwrap_model",
+]
+
+FORMAT = "ddpctx-checkpoint-1"
+_NAME = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.pt$")
+
+
+def bare(item: Any) -> Any:
+    """A module without its DDP / compile wrappers; anything else as it is."""
+    return unwrap_model(item) if isinstance(item, nn.Module) else item
+
+
+def load_file(path: Path, device: torch.device | str, weights_only: bool) -> Any:
+    """``torch.load`` with errors that say which file and what to do."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{str(path)!r} does not exist. Check the path, or save it first (ctx.save)."
+        )
+    try:
+        return torch.load(path, map_location=device, weights_only=weights_only)
+    except Exception as error:
+        if weights_only and "GLOBAL" in str(error):  # a pickled callable or class, refused
+            raise RuntimeError(
+                f"{str(path)!r} holds pickled objects that weights_only=True refuses to run "
+                f"({type(error).__name__}). Load it with weights_only=False only if you trust "
+                "whoever wrote it."
+            ) from error
+        raise RuntimeError(
+            f"{str(path)!r} could not be loaded as a torch file ({type(error).__name__}: "
+            f"{error}). It may be torn or not a checkpoint; use another file."
+        ) from error
+
+
+def checkpoint_paths(directory: Path) -> list[Path]:
+    """The checkpoint files in ``directory``, newest (highest number) first."""
+    if not directory.is_dir():
+        return []
+    numbered = [
+        (int(match.group(1)), path.name, path)
+        for path in directory.iterdir()
+        if (match := _NAME.match(path.name))
+    ]
+    return [path for _, _, path in sorted(numbered, reverse=True)]
+
+
+def next_checkpoint_path(directory: Path, epoch: object = None, step: int | None = None) -> Path:
+    """The next checkpoint's name: one past the highest number, labelled with epoch and step.
+
+    >>> import tempfile
+    >>> next_checkpoint_path(Path(tempfile.mkdtemp()), epoch=3, step=120).name
+    'checkpoint-000001-epoch3-step120.pt'
+    """
+    existing = checkpoint_paths(directory)
+    newest = _NAME.match(existing[0].name) if existing else None
+    number = int(newest.group(1)) + 1 if newest else 1
+    label = ""
+    if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+        label += f"-epoch{epoch}"
+    if step is not None:
+        label += f"-step{step}"
+    return directory / f"checkpoint-{number:06d}{label}.pt"
+
+
+class RefusedCheckpoint(RuntimeError):
+    """A checkpoint file that reads but cannot be used: an error, never a silent skip."""
+
+
+def probe(path: Path) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` (memory-mapped), None if torn; RefusedCheckpoint if refused."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        if "Weights only load failed" in str(error):
+            reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+            raise RefusedCheckpoint(
+                f"{str(path)!r} reads as a torch file but torch.load(weights_only=True) "
+                f"refuses what it holds ({reason}), so it cannot be resumed safely. It was not "
+                "skipped: older checkpoints would silently lose progress. If you trust the "
+                "file, load it with torch.load(path, weights_only=False), store its values as "
+                "plain numbers/strings/tensors, and save it again (or move it away)."
+            ) from error
+        warnings.warn(
+            f"skipping {str(path)!r}: it is torn or not a torch file ({type(error).__name__}: "
+            f"{str(error)[:200]}); trying an older checkpoint.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    if not (isinstance(state, dict) and state.get("format") == FORMAT):
+        raise RefusedCheckpoint(
+            f"{str(path)!r} is named like a checkpoint but is not a ddpctx checkpoint (no "
+            f"format {FORMAT!r}). Move it out of the checkpoint directory, or load it yourself."
+        )
+    return state
+
+
+def newest_checkpoint(directory: Path) -> Path | None:
+    """The newest checkpoint in ``directory`` that loads; None only if there is none at all.
+
+    Torn files are skipped with a warning; a refused file is an error; when
+    checkpoints exist and none of them loads, that is an error.
+    """
+    paths = checkpoint_paths(directory)
+    for path in paths:
+        if probe(path) is not None:
+            return path
+    if paths:
+        raise RuntimeError(
+            f"{str(directory)!r} holds {len(paths)} checkpoint file(s) "
+            f"({', '.join(p.name for p in paths[:5])}) and none of them loads (all torn). "
+            "Refusing to start over silently: restore a good checkpoint, or move the "
+            "directory away to start a new run."
+        )
+    return None
+
+
+def prune(directory: Path, keep: int, newest_good: Path) -> None:
+    """Delete checkpoints older than the newest ``keep``, never ``newest_good`` (known to load)."""
+    for old in checkpoint_paths(directory)[keep:]:
+        if old != newest_good:
+            old.unlink(missing_ok=True)
+
+
+def training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    meta: dict[str, Any],
+    world_size: int,
+    rng_states: list[Any],
+    *,
+    scaler: Any = None,
+    extra: dict[str, Any] | None = None,
+    loaders: list[dict[str, Any]] | None = None,
+    step: int | None = None,
+    base_seed: int | None = None,
+) -> dict[str, Any]:
+    """Everything a checkpoint file holds (see the module docstring)."""
+    return {
+        "format": FORMAT,
+        "world_size": world_size,
+        "model": unwrap_model(model).state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "extra": {name: bare(item).state_dict() for name, item in (extra or {}).items()},
+        "meta": meta,
+        "rng": rng_states,
+        "loaders": loaders or [],
+        "step": step,
+        "base_seed": base_seed,
+    }
+
+
+def check_world_size(
+    state: dict[str, Any], path: Path, world_size: int, allow_change: bool = False
+) -> bool:
+    """True if the world size changed (allowed); an error if it changed and that is not allowed."""
+    if state["world_size"] == world_size:
+        return False
+    if allow_change:
+        return True
+    raise ValueError(
+        f"{str(path)!r} was written by a run of world size {state['world_size']}, and this "
+        f"run has world size {world_size}: each rank's random state cannot be restored, so "
+        f"the run would not continue exactly. Resume with {state['world_size']} ranks, or pass "
+        "load_checkpoint(..., allow_world_size_change=True) to continue with fresh per-rank "
+        "random states and the data position mapped by samples consumed."
+    )

@@ -1,0 +1,142 @@
+"""Sharded data loading and the epoch loop.
+
+Three rules that hand-written DDP loops get wrong, kept here:
+
+- The sampler's shuffle is seeded with the **base** seed, identical on every
+  rank, so the ranks' shards are disjoint pieces of one permutation. (The
+  per-rank seed ``seed + rank`` would give every rank its own permutation:
+  shards overlap and some samples are never seen.)
+- ``set_epoch`` is called every epoch (by :func:`epochs`), so the order
+  changes between epochs and is the same for the same seed.
+- DataLoader workers are seeded per (rank, worker, epoch) when they start,
+  and every batch they read is seeded per (rank, epoch, batch), so
+  augmentations differ everywhere they should and a resumed epoch (or
+  ``persistent_workers=True``) reads exactly what an uninterrupted one reads
+  (see :mod:`ddpctx.data.loader`).
+
+``pad=True`` deals shards exactly as torch's ``DistributedSampler`` does (it
+repeats a few samples so every rank gets the same number: right for
+training, where ranks must take the same number of steps). ``pad=False``
+gives uneven shards without repeats, so evaluation sums and counts are exact.
+Both are :class:`~ddpctx.data.sampling.ShardSampler`, which can resume mid-epoch.
+
+Example:
+    >>> sampler = ShardSampler(10, num_replicas=3, rank=2, shuffle=False)
+    >>> list(sampler)
+    [2, 5, 8]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from ddpctx.data.loader import SeededBatches, ShardLoader
+from ddpctx.data.sampling import Position, ShardSampler
+from ddpctx.utils.seeding import seed_worker, worker_seed
+
+__all__ = ["SeedWorkers", "ShardSampler", "apply_position", "epochs", "make_dataloader"]
+
+
+class SeedWorkers:
+    """``worker_init_fn`` seeding each worker for its (rank, worker, epoch), then the user's."""
+
+    def __init__(
+        self, base_seed: int, rank: int, sampler: Any, then: Callable[[int], None] | None
+    ) -> None:
+        self.base_seed = base_seed
+        self.rank = rank
+        self.sampler = sampler
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        # Workers start when iteration starts, after set_epoch: the epoch is current.
+        seed_worker(worker_seed(self.base_seed, self.rank, worker_id, self.sampler.epoch))
+        if self.then is not None:
+            self.then(worker_id)
+
+
+_OWN_ARGUMENTS = ("sampler", "batch_sampler")
+
+
+def make_dataloader(
+    dataset: Dataset[Any],
+    batch_size: int,
+    *,
+    shuffle: bool,
+    pad: bool,
+    base_seed: int,
+    rank: int,
+    world_size: int,
+    loader_kwargs: dict[str, Any],
+    device: torch.device | None = None,
+) -> ShardLoader:
+    """A DataLoader over this rank's shard; its ``shard`` is what :func:`epochs` advances.
+
+    ``device``: move every batch there (None: leave batches where the dataset
+    put them). ``pin_memory`` defaults to True only when ``device`` is CUDA.
+    """
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            "ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); an "
+            "IterableDataset must shard itself, e.g. by reading every ctx.world_size-th item "
+            "from ctx.rank on."
+        )
+    if not isinstance(dataset, Sized):
+        raise TypeError(
+            f"ctx.dataloader() needs a dataset with __len__; got {type(dataset).__name__}. "
+            "Give it __len__ and __getitem__ (a map-style Dataset), or shard it yourself."
+        )
+    clash = [name for name in _OWN_ARGUMENTS if name in loader_kwargs]
+    if clash:
+        raise ValueError(
+            f"ctx.dataloader() got {clash[0]}=...; it makes its own distributed sampler. Drop "
+            f"{clash[0]}, or build the DataLoader yourself with a DistributedSampler."
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive int, e.g. 64.")
+    sampler = ShardSampler(len(dataset), world_size, rank, shuffle=shuffle, seed=base_seed, pad=pad)
+    drop_last = bool(loader_kwargs.pop("drop_last", False))
+    batches = SeededBatches(sampler, batch_size, drop_last, base_seed)
+    init = SeedWorkers(base_seed, rank, sampler, loader_kwargs.pop("worker_init_fn", None))
+    loader_kwargs.setdefault("pin_memory", device is not None and device.type == "cuda")
+    # Its own generator: a new iterator then never draws from torch's global one, so
+    # the global stream (saved in checkpoints) is the same with and without a resume.
+    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(base_seed + rank))
+    return ShardLoader(dataset, batches, device, worker_init_fn=init, **loader_kwargs)
+
+
+def epochs(n: int, start: int, samplers: list[Any], barrier: Callable[[], None]) -> Iterator[int]:
+    """Yield ``start .. n-1``; set every sampler's epoch before each, barrier after each."""
+    for name, value in (("n", n), ("start", start)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"{name}={value!r} must be a non-negative int, e.g. ctx.epochs(10, start=0)."
+            )
+    if start > n:
+        raise ValueError(
+            f"start={start} is past n={n}: nothing would run. Resume with start <= n "
+            "(e.g. start=meta['epoch'] + 1 from load_checkpoint)."
+        )
+    for epoch in range(start, n):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        yield epoch
+        barrier()
+
+
+def apply_position(loader: ShardLoader, index: int, position: Position | None, length: int) -> None:
+    """Hand ``loader`` (the ``index``-th made) its saved position, checking it is the same data."""
+    if position is None:
+        return
+    if loader.shard.length != length:
+        raise ValueError(
+            f"loader #{index} (the {index + 1}th made by ctx.dataloader) has {loader.shard.length} "
+            f"samples but the checkpoint's loader #{index} had {length}: the data changed, so its "
+            "position cannot be resumed. Make the loaders in the same order over the same "
+            "datasets as the run that saved it."
+        )
+    loader.resume(position)

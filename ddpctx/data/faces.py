@@ -1,0 +1,85 @@
+"""Data's face on :class:`~ddpctx.DistContext`: ``ctx.dataloader`` and ``ctx.epochs``.
+
+:class:`DataFaces` is mixed into ``DistContext``. It remembers every loader
+it made (their positions are what a checkpoint saves) and the positions a
+checkpoint restored for loaders not made yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ddpctx.data.dataloader import apply_position, epochs, make_dataloader
+from ddpctx.data.loader import ShardLoader
+from ddpctx.data.sampling import Position
+
+
+class DataFaces:
+    """``ctx.dataloader`` and ``ctx.epochs``."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    base_seed: int | None
+    barrier: Callable[[], None]
+    _loaders: list[ShardLoader]
+    _resume_positions: list[tuple[Position | None, int]]
+
+    def dataloader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        shuffle: bool = False,
+        pad: bool = True,
+        device: torch.device | str | None = "auto",
+        **loader_kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A DataLoader over this rank's shard of ``dataset`` (see :mod:`ddpctx.data.dataloader`).
+
+        The sampler is seeded with the base seed (the same on every rank, so
+        shards are disjoint); :meth:`epochs` advances it. ``pad=False`` gives
+        uneven shards without repeated samples (for exact evaluation).
+        Batches arrive on ``device`` (default :attr:`device`; None leaves them
+        where the dataset put them). Workers are seeded per (rank, worker,
+        epoch) and each batch per (rank, epoch, batch); your
+        ``worker_init_fn`` still runs after that. Its position within the
+        epoch is saved by :meth:`save_checkpoint` and resumed by
+        :meth:`load_checkpoint`.
+
+        >>> from ddpctx import distributed
+        >>> with distributed(seed=0) as ctx:
+        ...     loader = ctx.dataloader(list(range(10)), batch_size=4, shuffle=True)
+        ...     [len(batch) for batch in loader]
+        [4, 4, 2]
+        """
+        target = self.device if isinstance(device, str) and device == "auto" else device
+        loader = make_dataloader(
+            dataset,
+            batch_size,
+            shuffle=shuffle,
+            pad=pad,
+            base_seed=self.base_seed or 0,
+            rank=self.rank,
+            world_size=self.world_size,
+            loader_kwargs=loader_kwargs,
+            device=None if target is None else torch.device(target),
+        )
+        index = len(self._loaders)
+        self._loaders.append(loader)
+        if index < len(self._resume_positions):  # made after load_checkpoint
+            apply_position(loader, index, *self._resume_positions[index])
+        return loader
+
+    def epochs(self, n: int, start: int = 0) -> Iterator[int]:
+        """Epochs ``start .. n-1``; ``set_epoch`` on every loader before each, a barrier after.
+
+        >>> from ddpctx import distributed
+        >>> with distributed() as ctx:
+        ...     list(ctx.epochs(3, start=1))
+        [1, 2]
+        """
+        return epochs(n, start, [loader.shard for loader in self._loaders], self.barrier)

@@ -1,0 +1,176 @@
+"""The DataLoader ``ctx.dataloader`` returns: batches on the device, a position, seeded workers.
+
+:class:`ShardLoader` is a ``torch.utils.data.DataLoader`` (``isinstance`` holds,
+``len`` works) that adds three things to iteration:
+
+- **Batches on the device.** Every tensor inside the batch (tuples, lists,
+  dicts, namedtuples, dataclasses) is moved to ``device``, ``non_blocking``
+  when pinned memory makes that safe; other leaves are left alone.
+- **A position.** It counts the batches it has handed out in the current pass,
+  so a checkpoint can record how far the epoch got (:meth:`position`).
+- **Per-batch worker seeds.** Each batch's index list carries a seed derived
+  from (base seed, rank, epoch, batch position); a worker re-seeds
+  ``random``, NumPy and torch from it before it reads the batch. A batch's
+  augmentation therefore depends on which batch it is, not on which worker
+  read it, how many batches that worker read before, or whether the workers
+  are persistent -- which is what lets a resumed epoch, and
+  ``persistent_workers=True``, give exactly the batches an uninterrupted run
+  gives. Without workers nothing is re-seeded: the main process's generators
+  (saved in every checkpoint) drive the dataset.
+
+The re-seeding hooks the worker's iteration over the index list, which is how
+torch's fetcher reads a batch (``[dataset[i] for i in indices]``). A dataset
+with its own ``__getitems__`` that never iterates its argument is not
+re-seeded per batch (its workers are still seeded per rank, worker and epoch).
+
+Example:
+    >>> from collections import namedtuple
+    >>> Pair = namedtuple("Pair", "x y")
+    >>> to_device(Pair(torch.ones(1), "label"), torch.device("cpu"), False)
+    Pair(x=tensor([1.]), y='label')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+
+from ddpctx.data.sampling import Position, ShardSampler
+from ddpctx.utils.seeding import seed_worker, worker_seed
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    """``batch`` with every tensor inside it moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(item, device, non_blocking) for item in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(item, device, non_blocking) for item in batch)
+    if isinstance(batch, dict):
+        moved = {key: to_device(value, device, non_blocking) for key, value in batch.items()}
+        if type(batch) is dict:
+            return moved
+        copy = batch.copy()  # keeps the subclass (OrderedDict, defaultdict, ...)
+        copy.update(moved)
+        return copy
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {
+            field.name: to_device(getattr(batch, field.name), device, non_blocking)
+            for field in dataclasses.fields(batch)
+            if field.init
+        }
+        return dataclasses.replace(batch, **changes)
+    return batch
+
+
+class SeededIndices(list[int]):
+    """A batch's indices, carrying what a worker seeds itself from before reading them."""
+
+    key: tuple[int, int, int, int] = (0, 0, 0, 0)  # (base seed, rank, first position, epoch)
+    _applied: bool = False
+
+    def __iter__(self) -> Iterator[int]:
+        if not self._applied and get_worker_info() is not None:  # only ever inside a worker
+            self._applied = True
+            base, rank, first, epoch = self.key
+            # "worker" slot 2**31 + first sample position: never equal to a worker-start seed.
+            seed_worker(worker_seed(base, rank, 2**31 + first, epoch))
+        return super().__iter__()
+
+
+class SeededBatches(Sampler[list[int]]):
+    """Batches of ``sampler``'s indices, each tagged with its per-batch seed."""
+
+    def __init__(
+        self, sampler: ShardSampler, batch_size: int, drop_last: bool, base_seed: int
+    ) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.base_seed = base_seed
+
+    def _tagged(self, indices: list[int], first: int) -> SeededIndices:
+        batch = SeededIndices(indices)
+        batch.key = (self.base_seed, self.sampler.rank, first, self.sampler.epoch)
+        return batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = iter(self.sampler)
+        first = self.sampler.skip
+        while True:
+            batch = list(itertools.islice(indices, self.batch_size))
+            if not batch or (self.drop_last and len(batch) < self.batch_size):
+                return
+            yield self._tagged(batch, first)
+            first += len(batch)
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return len(self.sampler) // self.batch_size
+        return -(-len(self.sampler) // self.batch_size)
+
+
+class ShardLoader(DataLoader[Any]):
+    """A DataLoader over one rank's shard that moves batches and knows its position."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batches: SeededBatches,
+        device: torch.device | None,
+        **loader_kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, batch_sampler=batches, **loader_kwargs)
+        # DataLoader freezes these after __init__; they describe what the loader really does.
+        object.__setattr__(self, "batch_size", batches.batch_size)
+        object.__setattr__(self, "sampler", batches.sampler)
+        object.__setattr__(self, "drop_last", batches.drop_last)
+        self.shard: ShardSampler = batches.sampler
+        self.target_device = device
+        self._non_blocking = device is not None and device.type == "cuda" and self.pin_memory
+        self._pass_epoch = -1  # the epoch of the pass under way (or last run)
+        self._handed_out = 0  # samples handed out by that pass
+        self._available = 0  # samples that pass has to hand out
+        self.shard_batch_size = batches.batch_size
+        self._complete = False
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._pass_epoch = self.shard.epoch
+        self._available = len(self.shard)  # before the pass consumes the resume point
+        self._handed_out = 0
+        self._complete = False
+        for batch in super().__iter__():
+            self._handed_out = min(self._handed_out + self.shard_batch_size, self._available)
+            if self.target_device is not None:
+                batch = to_device(batch, self.target_device, self._non_blocking)
+            yield batch
+        self._complete = True
+
+    def position(self) -> tuple[int, int, bool, bytes]:
+        """``(epoch, samples of this rank's deal consumed, pass complete, done mask)``.
+
+        See :class:`~ddpctx.data.sampling.Position` for what the counts and mask mean.
+        """
+        if self._pass_epoch != self.shard.epoch:
+            return self.shard.epoch, 0, False, b""  # this epoch's pass has not started
+        consumed = self.shard.skip + self._handed_out
+        return self.shard.epoch, consumed, self._complete, self.shard.done_bytes()
+
+    def batch_numbers(self) -> tuple[int, int]:
+        """(number of the batch last handed out, batches in this epoch), counted from 1."""
+        size = self.shard_batch_size
+        current = -(-(self.shard.skip + self._handed_out) // size)
+        last = -(-(self.shard.skip + self._available) // size)
+        if self.drop_last:
+            last = (self.shard.skip + self._available) // size
+        return current, last
+
+    def resume(self, position: Position) -> None:
+        """Continue the next pass of ``position.epoch`` where it left off."""
+        self.shard.resume(position)

@@ -1,0 +1,8 @@
+"""The hang doctor: which collective each rank waits in, and one report when the job stops moving.
+
+- :mod:`~ddpctx.hang.inflight`: what the main thread waits in, tracked live.
+- :mod:`~ddpctx.hang.report`: each rank's state and stack over the job's store; the diagnosis.
+- :mod:`~ddpctx.hang.watchdog`: the thread per rank that notices, reports, or raises.
+
+May import: :mod:`ddpctx.utils`. Never the process group for its own traffic.
+"""

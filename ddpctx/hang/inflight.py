@@ -1,0 +1,370 @@
+"""What this rank is waiting in: collectives, and DDP's gradient all-reduce, tracked live.
+
+While ``distributed()`` runs with the hang doctor on, the collectives of the
+``torch.distributed`` namespace (``all_reduce``, ``barrier``, the object
+collectives, ...) are replaced by thin wrappers that note in a
+:class:`Tracker` which operation the main thread entered and when, and that
+it left. Every caller counts: ddpctx's own collectives (which call them
+through ``torch.distributed``), the user's raw calls, and ``torch.autograd.backward``
+after a forward pass of a DDP model that will synchronise its gradients (DDP's
+reducer all-reduces inside ``backward()``; the call site there is inside
+autograd, so reports name the user's ``backward()`` line, never a made-up one).
+On exit the originals are put back.
+
+The wrappers cost one function call and two clock reads per collective. They
+never look at the stack: where a rank waits is read from its live stack by the
+watchdog, only when a report is needed. On NCCL a collective returns before
+the GPU has run it, so the wrapper also records a CUDA event after it; the
+watchdog counts the rank as waiting until that event completes.
+
+``debug=True`` adds a lockstep check before every collective on the default
+group: ranks exchange (sequence number, operation) in one two-number
+all-gather, and ranks in different collectives raise :class:`HangError` at
+once, naming every rank's call site, instead of waiting.
+
+Calls made with ``async_op=True`` return at once; the ``Work`` handle they
+return is wrapped so that its ``wait()`` counts as the wait. Names
+bound before the block (``from torch.distributed import all_reduce``) bypass
+the wrappers.
+
+This module knows torch and nothing of :mod:`ddpctx.session.context`.
+
+Example:
+    >>> tracker = Tracker()
+    >>> tracker.run("barrier()", lambda: tracker.op)
+    'barrier()'
+    >>> tracker.op is None, tracker.completed
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.nn.parallel import DistributedDataParallel
+
+#: The blocking collectives of ``torch.distributed`` that are tracked.
+TRACKED = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+)
+#: What a rank inside DDP's ``backward()`` is said to wait in.
+DDP_BACKWARD = "DDP backward (gradient all-reduce)"
+
+_PACKAGES = (
+    str(Path(__file__).resolve().parent),
+    str(Path(torch.__file__).resolve().parent),
+)
+
+
+class HangError(RuntimeError):
+    """The job stopped making progress in a collective; the message is the hang report.
+
+    Raised on every rank by ``distributed(on_hang="raise")`` after the report,
+    and at once by ``distributed(debug=True)`` when ranks enter different
+    collectives.
+
+    Example:
+        >>> str(HangError("ddpctx hang report: ...")).startswith("ddpctx hang report")
+        True
+    """
+
+
+def is_library_file(filename: str) -> bool:
+    """True for frames of ddpctx, torch and Python's own machinery (not the user's code)."""
+    if filename.startswith("<") and not filename.startswith("<doctest"):
+        return True
+    return filename.startswith(_PACKAGES) or "/lib/python3" in filename
+
+
+def user_site(frame: FrameType | None) -> str:
+    """``file:line in func`` of the innermost frame that is the user's, or ``"?"``."""
+    while frame is not None:
+        code = frame.f_code
+        if not is_library_file(code.co_filename):
+            return f"{short_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def short_path(filename: str) -> str:
+    """An installed package's path from the package on; else relative to the working directory.
+
+    >>> short_path("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py")
+    'torch/distributed/distributed_c10d.py'
+    """
+    if "-packages/" in filename:
+        return filename.rsplit("-packages/", 1)[1]
+    with contextlib.suppress(ValueError):
+        relative = Path(filename).resolve().relative_to(Path.cwd())
+        return str(relative)
+    return filename
+
+
+@dataclass
+class Tracker:
+    """This rank's main thread: the operation it waits in (None: not in one) and since when.
+
+    Written by the main thread, read by the watchdog thread; single attribute
+    writes are atomic in CPython, and a torn read costs at worst one stale
+    second.
+    """
+
+    op: str | None = None
+    since: float = 0.0
+    entered: int = 0  # collectives entered, this rank's sequence number
+    completed: int = 0
+    gpu_pending: tuple[Any, str, float] | None = None  # (CUDA event, op, since)
+    failure: HangError | None = None  # set by the watchdog under on_hang="raise"
+    ddp_sync_pending: bool = False
+
+    def run(self, op: str, call: Callable[[], Any], *, issued: bool = True) -> Any:
+        """``call()``, marked as a wait in ``op`` (the wrappers inline the same steps).
+
+        ``issued=False`` for the wait on a collective already counted when issued.
+        """
+        self.op, self.since = op, time.monotonic()
+        if issued:
+            self.entered += 1
+        try:
+            return call()
+        except Exception as error:
+            if self.failure is not None:  # the hang was reported; the peers are going
+                raise self.failure from error
+            raise
+        finally:
+            self.op = None
+            self.completed += 1
+
+    def waited(self, now: float) -> tuple[str | None, float]:
+        """``(op, seconds)`` this rank has waited in, counting GPU work not yet finished."""
+        op, since = self.op, self.since
+        if op is not None:
+            return op, now - since
+        pending = self.gpu_pending
+        if pending is not None:
+            event, gpu_op, gpu_since = pending
+            with contextlib.suppress(Exception):
+                if not event.query():
+                    return f"{gpu_op} (on the GPU)", now - gpu_since
+            self.gpu_pending = None
+        return None, 0.0
+
+
+def install(tracker: Tracker, *, debug: bool, cuda: bool) -> Callable[[], None]:
+    """Replace the tracked collectives and ``torch.autograd.backward``; returns the undo.
+
+    Only from the main thread: other threads' collectives (e.g. a user's
+    background all-reduce) are passed through untracked.
+    """
+    main = threading.main_thread().ident
+    originals: dict[tuple[Any, str], Any] = {}
+
+    def replace(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        originals[(owner, name)] = getattr(owner, name)
+        setattr(owner, name, wrapper)
+
+    for name in TRACKED:
+        if hasattr(dist, name):
+            replace(dist, name, _collective(tracker, name, getattr(dist, name), debug, cuda, main))
+    replace(torch.autograd, "backward", _backward(tracker, torch.autograd.backward, cuda, main))
+    replace(DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel))
+
+    def undo() -> None:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+
+    return undo
+
+
+def _collective(
+    tracker: Tracker,
+    name: str,
+    original: Callable[..., Any],
+    debug: bool,
+    cuda: bool,
+    main: int | None,
+) -> Callable[..., Any]:
+    label = f"{name}()"
+    monotonic, get_ident = time.monotonic, threading.get_ident
+
+    # The steps of Tracker.run, inlined: this runs on every collective of the job.
+    @functools.wraps(original)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        if tracker.op is not None or get_ident() != main:
+            return original(*args, **kwargs)
+        if kwargs.get("async_op"):  # the wait happens later, in work.wait()
+            tracker.entered += 1
+            if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
+                check_lockstep(name, tracker.entered, sys._getframe(1))
+            work = original(*args, **kwargs)
+            return work if work is None else TrackedWork(work, tracker, label, main)
+        tracker.op, tracker.since = label, monotonic()
+        tracker.entered += 1
+        try:
+            if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
+                check_lockstep(name, tracker.entered, sys._getframe(1))
+            result = original(*args, **kwargs)
+        except Exception as error:
+            if tracker.failure is not None:  # the hang was reported; the peers are going
+                raise tracker.failure from error
+            raise
+        finally:
+            tracker.op = None
+            tracker.completed += 1
+        if cuda:
+            _note_gpu_work(tracker, label)
+        return result
+
+    return tracked
+
+
+class TrackedWork:
+    """A collective's ``Work`` handle whose ``wait()`` counts as waiting in that collective.
+
+    ``async_op=True`` collectives return at once; the wait -- where a hang
+    shows -- comes later (ddpctx's own reductions send this way too).
+    Everything else is the handle's own.
+    """
+
+    __slots__ = ("_label", "_main", "_tracker", "_work")
+
+    def __init__(self, work: Any, tracker: Tracker, label: str, main: int | None) -> None:
+        self._work, self._tracker, self._label, self._main = work, tracker, label, main
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        tracker = self._tracker
+        if tracker.op is not None or threading.get_ident() != self._main:
+            return self._work.wait(*args, **kwargs)
+        return tracker.run(self._label, lambda: self._work.wait(*args, **kwargs), issued=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _backward(
+    tracker: Tracker, original: Callable[..., Any], cuda: bool, main: int | None
+) -> Callable[..., Any]:
+    get_ident = threading.get_ident
+
+    @functools.wraps(original)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        if not tracker.ddp_sync_pending or tracker.op is not None or get_ident() != main:
+            return original(*args, **kwargs)
+        tracker.ddp_sync_pending = False
+        result = tracker.run(DDP_BACKWARD, lambda: original(*args, **kwargs))
+        if cuda:
+            _note_gpu_work(tracker, DDP_BACKWARD)
+        return result
+
+    return tracked
+
+
+def _ddp_forward(tracker: Tracker, ddp: type[DistributedDataParallel]) -> Callable[..., Any]:
+    original: Callable[..., Any] = ddp.forward
+
+    @functools.wraps(original)
+    def forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            tracker.ddp_sync_pending = True
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def _note_gpu_work(tracker: Tracker, op: str) -> None:
+    """Record a CUDA event after an NCCL collective: it completes when the collective does."""
+    cuda: Any = torch.cuda
+    if not cuda.is_available() or not cuda.is_initialized():
+        return
+    event = cuda.Event()
+    event.record()
+    tracker.gpu_pending = (event, op, time.monotonic())
+
+
+def check_lockstep(op: str, sequence: int, caller: FrameType | None) -> None:
+    """Debug mode: raise :class:`HangError` on every rank if ranks are in different collectives.
+
+    One all-gather of two numbers per collective (the debug mode's cost); the
+    call sites travel only when the operations differ.
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    device = _comm_device()
+    mine = torch.tensor([sequence, zlib.crc32(op.encode())], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    c10d.all_gather(everyone, mine)  # the untracked original: this is part of the wait
+    if all(torch.equal(theirs, everyone[0]) for theirs in everyone):
+        return
+    sites: list[Any] = [None] * world
+    c10d.all_gather_object(sites, (op, sequence, user_site(caller)))
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rank, (their_op, _, site) in enumerate(sites):
+        groups.setdefault((their_op, site), []).append(rank)
+    described = " vs ".join(
+        f"{their_op} at {site} ({ranks_text(ranks)})" for (their_op, site), ranks in groups.items()
+    )
+    sequences = ", ".join(f"rank {rank}: #{seq}" for rank, (_, seq, _) in enumerate(sites))
+    raise HangError(
+        f"ranks are in different collectives: {described} (collective sequence numbers: "
+        f"{sequences}). Every rank must issue the same collectives in the same order; "
+        "decide data-dependent branches together with ctx.any(flag) / ctx.all(flag)."
+    )
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``"rank 1"`` or ``"ranks 0, 2"``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _comm_device() -> torch.device:
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def torch_detail_debug(enabled: bool) -> Iterator[None]:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for a group formed inside the block (debug mode)."""
+    if not enabled:
+        yield
+        return
+    levels: Any = dist  # the debug-level functions are not declared in the stubs
+    previous = levels.get_debug_level()
+    levels.set_debug_level(levels.DebugLevel.DETAIL)
+    try:
+        yield
+    finally:
+        levels.set_debug_level(previous)

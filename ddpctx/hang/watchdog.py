@@ -1,0 +1,293 @@
+"""The hang doctor: a watchdog thread per rank that reports (or ends) a job that stopped moving.
+
+Contract (``DESIGN.md`` section 9). With ``hang_timeout > 0`` every rank runs a
+daemon thread that wakes once a second and reads this rank's
+:class:`~ddpctx.hang.inflight.Tracker`. When this rank has waited in one collective
+for ``hang_timeout`` seconds it opens an *incident* in the job's store; every
+rank's thread answers with its main thread's state and stack; rank 0 prints ONE
+report to stderr (:mod:`ddpctx.hang.report`). The waits that an incident
+covered are not reported again, so a slow rank-0 checkpoint write is reported
+once and the job goes on (``on_hang="report"``). With ``on_hang="raise"``
+every rank then raises :class:`HangError` carrying the report: ranks running
+Python get it at once; a rank blocked in native code (a collective whose peer
+is stuck, a ``sleep``) writes it to torchrun's error file and exits after a
+short grace, which also releases the peers' collectives, whose wrappers raise
+the same :class:`HangError`.
+
+The thread never raises into a healthy job: any failure of its own (a store
+that went away at shutdown) ends the watching, silently. It stops with the
+context, before the process group is destroyed, within a bounded time.
+
+Layering: below :mod:`ddpctx.session.context`, which starts it; knows
+``torch.distributed``'s store and nothing of decorators.
+
+Example:
+    >>> settings = resolve_hang_settings(None, "report", False, 600.0, {})
+    >>> settings.hang_timeout, settings.on_hang, settings.debug
+    (120.0, 'report', False)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch.distributed.distributed_c10d as c10d
+
+from ddpctx.hang.inflight import HangError, Tracker, install
+from ddpctx.hang.report import Exchange, RankState, format_report, snapshot
+from ddpctx.utils.errors import record_for_torchrun
+
+#: The longest default ``hang_timeout``, in seconds.
+MAX_DEFAULT_HANG_TIMEOUT_S = 300.0
+#: How often the watchdog wakes (at most once a second, by contract).
+TICK_S = 1.0
+#: How long rank 0 waits for the other ranks' answers.
+ANSWER_WAIT_S = 4.0
+#: Under ``on_hang="raise"``: how long a rank gets to raise before it exits.
+RAISE_GRACE_S = 3.0
+#: How long leaving the context waits for the thread.
+STOP_WAIT_S = 5.0
+
+ON_HANG = ("report", "raise")
+
+
+@dataclass(frozen=True)
+class HangSettings:
+    """The resolved options: ``hang_timeout`` seconds (0: off), ``on_hang``, ``debug``."""
+
+    hang_timeout: float
+    on_hang: str
+    debug: bool
+
+    @property
+    def active(self) -> bool:
+        return self.hang_timeout > 0 or self.debug
+
+
+def resolve_hang_settings(
+    hang_timeout: object,
+    on_hang: object,
+    debug: object,
+    collective_timeout_s: float,
+    environ: Mapping[str, str],
+) -> HangSettings:
+    """Check and resolve the hang doctor's options; no side effects.
+
+    >>> environ = {"DDPCTX_HANG_TIMEOUT": "5"}
+    >>> resolve_hang_settings(None, "raise", False, 600.0, environ).hang_timeout
+    5.0
+    >>> resolve_hang_settings(None, "report", False, 3600.0, {}).hang_timeout
+    300.0
+    """
+    if on_hang not in ON_HANG:
+        raise ValueError(
+            f"on_hang={on_hang!r} is not an option; pass on_hang='report' (print the report, "
+            "keep waiting) or on_hang='raise' (every rank raises HangError)."
+        )
+    if not isinstance(debug, bool):
+        raise ValueError(f"debug={debug!r} must be True or False.")
+    seconds = _hang_seconds(hang_timeout, collective_timeout_s, environ)
+    if seconds >= collective_timeout_s:
+        raise ValueError(
+            f"hang_timeout={seconds:g} s is not below the collective timeout of "
+            f"{collective_timeout_s:g} s, so the report would come after the job failed. "
+            f"Pass a smaller hang_timeout (e.g. {collective_timeout_s / 5:g}) or a larger timeout."
+        )
+    return HangSettings(seconds, str(on_hang), debug or _debug_from_env(environ))
+
+
+def _hang_seconds(value: object, collective_timeout_s: float, environ: Mapping[str, str]) -> float:
+    if value is None:
+        raw = environ.get("DDPCTX_HANG_TIMEOUT", "").strip()
+        if raw == "":
+            return min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S)
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not seconds >= 0:
+            raise ValueError(
+                f"DDPCTX_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0. Set it to e.g. "
+                "60, to 0 to turn the hang doctor off, or unset it for the default."
+            )
+        return seconds
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(
+            f"hang_timeout={value!r} must be a number of seconds >= 0: e.g. hang_timeout=60, "
+            "or hang_timeout=0 to turn the hang doctor off."
+        )
+    return float(value)
+
+
+def _debug_from_env(environ: Mapping[str, str]) -> bool:
+    raw = environ.get("DDPCTX_DEBUG", "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "collectives":
+        return True
+    raise ValueError(
+        f"DDPCTX_DEBUG={raw!r} is not a debug mode; set DDPCTX_DEBUG=collectives, or unset it."
+    )
+
+
+class Watchdog:
+    """The thread of one rank (see the module docstring); :meth:`stop` ends it."""
+
+    def __init__(
+        self, settings: HangSettings, tracker: Tracker, store: object, rank: int, world_size: int
+    ) -> None:
+        self.settings = settings
+        self.tracker = tracker
+        self.rank = rank
+        self.exchange = Exchange(store, rank, world_size)
+        self.reports: list[str] = []
+        self._stop = threading.Event()
+        self._seen = self.exchange.newest()
+        self._covered = -1  # the wait (tracker.entered) that an incident already covered
+        self._thread = threading.Thread(target=self._run, name="ddpctx-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(STOP_WAIT_S)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(TICK_S):
+                self._tick()
+        except Exception:  # the store is gone (shutdown) or broken: stop watching, quietly
+            return
+
+    def _tick(self) -> None:
+        op, waited = self.tracker.waited(time.monotonic())
+        newest = self.exchange.newest()
+        if newest > self._seen:
+            self._handle(newest, op, waited)
+        elif (
+            op is not None
+            and waited >= self.settings.hang_timeout
+            and self.tracker.entered != self._covered
+        ):
+            self._handle(self.exchange.open_next(self._seen), op, waited)
+
+    def _handle(self, incident: int, op: str | None, waited: float) -> None:
+        self._seen = incident
+        if op is not None:
+            self._covered = self.tracker.entered
+        self.exchange.answer(incident, snapshot(self.rank, op, waited))
+        report = None
+        if self.rank == 0:
+            states = self.exchange.collect(incident, time.monotonic() + ANSWER_WAIT_S)
+            report = format_report(states, self.settings.hang_timeout)
+            print(report, file=sys.stderr, flush=True)
+            self.exchange.publish(incident, report)
+            self.reports.append(report)
+        if self.settings.on_hang == "raise":
+            self._raise(report or self._await_report(incident, op, waited))
+
+    def _await_report(self, incident: int, op: str | None, waited: float) -> str:
+        deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S
+        while time.monotonic() < deadline and not self._stop.is_set():
+            report = self.exchange.published(incident)
+            if report is not None:
+                return report
+            time.sleep(0.1)
+        own = RankState(self.rank, op, waited, "?", "")
+        return format_report([own], self.settings.hang_timeout) + " (rank 0 sent no report)"
+
+    def _raise(self, report: str) -> None:
+        """Make the main thread raise :class:`HangError`; exit if it is blocked in native code."""
+        error = HangError(report)
+        self.tracker.failure = error
+        record_for_torchrun(error, os.environ)
+        main = threading.main_thread()
+        # A main thread in a tracked wait raises from the wrapper when the wait ends;
+        # others get the exception at their next Python instruction.
+        if main.ident is not None and self.tracker.op is None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(main.ident), ctypes.py_object(_raising(report))
+            )
+        # A rank outside collectives that has not raised is stuck in native code: it goes
+        # first, which fails its peers' collectives, whose wrappers then raise. When every
+        # rank waits (different collectives), the highest rank goes first.
+        grace = RAISE_GRACE_S
+        if self.tracker.op is not None:
+            grace = 2 * RAISE_GRACE_S + TICK_S * (self.exchange.world_size - 1 - self.rank)
+        if self._stop.wait(grace):
+            return  # the main thread raised and left the context
+        print(
+            f"ddpctx: rank {self.rank} is blocked in native code and cannot raise HangError; "
+            "exiting (the report is the root cause).",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _raising(report: str) -> type[HangError]:
+    """A HangError class whose no-argument construction carries ``report``.
+
+    An exception set into another thread must be a class, built without arguments.
+    """
+
+    class RaisedHangError(HangError):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*(args or (report,)))
+
+    RaisedHangError.__name__ = RaisedHangError.__qualname__ = "HangError"
+    RaisedHangError.__module__ = HangError.__module__
+    return RaisedHangError
+
+
+class Doctor:
+    """The hang doctor of one ``distributed()`` block: trackers installed, thread running.
+
+    ``reports`` holds the reports this rank printed (rank 0 only); :meth:`stop`
+    ends the thread and puts torch's functions back, and is safe to call twice.
+    """
+
+    def __init__(self, settings: HangSettings, rank: int, world_size: int, cuda: bool) -> None:
+        self._undo: Callable[[], None] | None = None
+        self._watchdog: Watchdog | None = None
+        if not settings.active:
+            return
+        tracker = Tracker()
+        self._undo = install(tracker, debug=settings.debug, cuda=cuda)
+        if settings.hang_timeout > 0:
+            try:
+                store = c10d._get_default_store()
+                self._watchdog = Watchdog(settings, tracker, store, rank, world_size)
+            except Exception as error:  # a group without a reachable store: watch nothing
+                warnings.warn(
+                    f"ddpctx's hang doctor is off for this block: the process group's store "
+                    f"cannot be used ({error!r}). Pass hang_timeout=0 to silence this.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            else:
+                self._watchdog.start()
+
+    @property
+    def reports(self) -> list[str]:
+        return self._watchdog.reports if self._watchdog is not None else []
+
+    def stop(self) -> None:
+        try:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+        finally:
+            if self._undo is not None:
+                self._undo()
+                self._undo = None

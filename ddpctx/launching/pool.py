@@ -1,0 +1,381 @@
+"""A pool of warm rank processes: fork, run tasks with a fresh group each, fail fast, clean up.
+
+The parent side of the engine described in :mod:`ddpctx.launching.launcher`;
+the rank side is :mod:`ddpctx.launching.worker`. :class:`RankPool` forks its
+workers once and runs many tasks on them; a pool that a failure or a hang may
+have spoiled is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ddpctx.launching.failures import (
+    RankError,
+    RankSkipped,
+    RankTimeoutError,
+    root_cause,
+    worker_frames,
+)
+from ddpctx.launching.worker import Outcome, Task, read_from, worker_main
+from ddpctx.utils.env import check_timeout
+
+#: Seconds the other ranks get, after the first failure, to report their own errors.
+FOLLOW_ON_GRACE_S = 1.0
+#: Seconds ranks get to write their stacks after SIGUSR1.
+STACK_DUMP_WAIT_S = 1.0
+#: Seconds a rank that is stopped gets, after SIGTERM, to run its ``finally`` blocks.
+FINALLY_GRACE_S = 1.0
+
+
+class RankPool:
+    """``world_size`` worker processes that run functions as ranks of a fresh group each time.
+
+    ``run`` returns the per-rank results in rank order, or raises
+    :class:`RankError` / :class:`RankTimeoutError`. After a failure or a hang
+    the pool is no longer ``healthy``: its workers were killed mid-task.
+
+    Example:
+        >>> with RankPool(2) as pool:
+        ...     pool.run(sum, ([1, 2],))
+        [3, 3]
+    """
+
+    def __init__(self, world_size: int, first: Task | None = None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be a positive int, e.g. 2.")
+        refuse_inherited_group()
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise RuntimeError(
+                "ddpctx starts ranks by forking, which this platform does not offer "
+                f"({sys.platform}). Use torchrun to start the ranks instead."
+            )
+        self.world_size = world_size
+        self.healthy = True
+        self._directory = Path(tempfile.mkdtemp(prefix="ddpctx-ranks-"))  # mode 0700
+        self._tasks = 0
+        self._first = first
+        #: Each rank's captured ``(stdout, stderr)`` of the last task that succeeded.
+        self.last_outputs: list[tuple[str, str]] = []
+        if first is not None:  # handed to the workers at fork time, as task 1
+            first.store = self._store(1)
+        context = multiprocessing.get_context("fork")
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._processes: list[Any] = []
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Non-daemonic workers would be joined at interpreter exit; close them first.
+        atexit.register(self.close)
+        try:
+            for rank in range(world_size):
+                parent_end, child_end = context.Pipe()
+                process = context.Process(
+                    target=worker_main,
+                    args=(rank, world_size, child_end, self._directory, first),
+                    name=f"ddpctx-rank{rank}",
+                    daemon=False,  # ranks may start DataLoader workers of their own
+                )
+                process.start()
+                child_end.close()
+                self._conns.append(parent_end)
+                self._processes.append(process)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _store(self, task: int) -> str:
+        return str(self._directory / f"store{task}")
+
+    def pids(self) -> list[int]:
+        """Process ids of the workers (for tests that check nothing is left behind)."""
+        return [p.pid for p in self._processes if p.pid is not None]
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        seed: int | None = None,
+        timeout: float | None = None,
+        init: bool = True,
+        echo: bool = False,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank inside ``distributed(seed=seed)``.
+
+        The ranks run it in this process's environment and working directory.
+        ``init=False``: no group is formed and ``fn`` runs outside
+        ``distributed()``, with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+        ``MASTER_PORT`` set, to form its own. ``echo=True`` streams each
+        rank's output here as it comes, every line prefixed ``[rank N]``.
+        """
+        if not self.healthy:
+            raise RuntimeError("this RankPool was spoiled by an earlier failure; start a new one")
+        if timeout is not None:  # before any rank sees it: inf or 1e20 would fail in every rank
+            check_timeout(timeout, f"timeout={timeout!r}")
+        self._tasks += 1
+        if self._first is not None:  # handed over at fork time: nothing to send
+            self._first = None
+        else:
+            task = Task(
+                fn,
+                tuple(args),
+                dict(kwargs or {}),
+                seed,
+                timeout,
+                self._store(self._tasks),
+                environ=dict(os.environ),
+                cwd=os.getcwd(),
+                init=init,
+            )
+            try:
+                payload = pickle.dumps(task)
+            except Exception as error:
+                raise TypeError(
+                    f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to "
+                    f"the ranks ({error}). Define the function at module level, or use "
+                    "ddpctx.launch(), which forks the ranks with the function in memory."
+                ) from None
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        echoer = Echo(self._directory, self.world_size) if echo else None
+        try:
+            outcomes = self._collect(timeout, echoer)
+        except BaseException:
+            self.healthy = False
+            self.close()
+            raise
+        finally:
+            if echoer is not None:
+                echoer.pump(final=True)
+        self.last_outputs = [(o.stdout, o.stderr) for o in outcomes]
+        return [outcome.value for outcome in outcomes]
+
+    def _collect(self, timeout: float | None, echoer: Echo | None = None) -> list[Outcome]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outcomes: dict[int, Outcome] = {}
+        first_bad: Outcome | None = None
+        grace_end: float | None = None
+        while len(outcomes) < self.world_size:
+            now = time.monotonic()
+            limits = [t for t in (deadline, grace_end) if t is not None]
+            wait = None if not limits else max(0.0, min(limits) - now)
+            if echoer is not None:
+                echoer.pump()
+                wait = ECHO_INTERVAL_S if wait is None else min(wait, ECHO_INTERVAL_S)
+            pending = [rank for rank in range(self.world_size) if rank not in outcomes]
+            results: dict[Any, int] = {self._conns[rank]: rank for rank in pending}
+            deaths: dict[Any, int] = {self._processes[rank].sentinel: rank for rank in pending}
+            for item in multiprocessing.connection.wait([*results, *deaths], wait):
+                if item in results:
+                    rank = results[item]
+                    try:
+                        outcomes[rank] = self._conns[rank].recv()
+                    except (EOFError, OSError):
+                        outcomes[rank] = self._died(rank)
+                elif (rank := deaths[item]) not in outcomes and not self._conns[rank].poll():
+                    outcomes[rank] = self._died(rank)
+            if first_bad is None:
+                first_bad = root_cause(outcomes)
+                if first_bad is not None:
+                    grace_end = time.monotonic() + FOLLOW_ON_GRACE_S
+            if grace_end is not None and time.monotonic() >= grace_end:
+                break
+            if deadline is not None and time.monotonic() >= deadline and first_bad is None:
+                raise self._timeout_error(timeout, outcomes)
+        first_bad = root_cause(outcomes)  # later reports may hold the real cause
+        if first_bad is not None:
+            self.healthy = False
+            raise self._failure(first_bad, outcomes)
+        return [outcomes[rank] for rank in range(self.world_size)]
+
+    def _died(self, rank: int) -> Outcome:
+        process = self._processes[rank]
+        process.join(1.0)
+        code = process.exitcode
+        how = (
+            f"was killed by signal {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
+        return Outcome(rank, "error", error_text=f"RuntimeError: rank {rank} {how}")
+
+    def _outputs(self) -> list[tuple[str, str]]:
+        return [
+            (
+                read_from(self._directory / f"rank{rank}.out", 0),
+                read_from(self._directory / f"rank{rank}.err", 0),
+            )
+            for rank in range(self.world_size)
+        ]
+
+    def _failure(self, first: Outcome, outcomes: dict[int, Outcome]) -> RankError:
+        outputs = [
+            (o.stdout, o.stderr) if (o := outcomes.get(rank)) else ("", "")
+            for rank in range(self.world_size)
+        ]
+        secondary = [
+            (o.rank, o.error_text)
+            for o in sorted(outcomes.values(), key=lambda o: o.rank)
+            if o.kind == "error" and o is not first
+        ]
+        if first.kind == "skip":
+            return RankSkipped(first.error_text, rank=first.rank, outputs=outputs)
+        message = f"rank {first.rank} failed: {first.error_text}"
+        if secondary:
+            message += (
+                "\n(then, as a consequence: "
+                + "; ".join(
+                    f"rank {rank}: {text.splitlines()[0] if text else '?'}"
+                    for rank, text in secondary
+                )
+                + ")"
+            )
+        return RankError(
+            message,
+            rank=first.rank,
+            original=first.error,
+            remote_traceback=first.remote_traceback,
+            outputs=outputs,
+            secondary=secondary,
+        )
+
+    def _timeout_error(self, timeout: float | None, outcomes: dict[int, Outcome]) -> RankError:
+        stuck = [rank for rank in range(self.world_size) if rank not in outcomes]
+        for rank in stuck:
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(self._processes[rank].pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT_S)
+        stacks = "\n".join(
+            f"--- rank {rank} ---\n"
+            + worker_frames(read_from(self._directory / f"rank{rank}.stack", 0))
+            for rank in stuck
+        )
+        finished = ", ".join(str(rank) for rank in sorted(outcomes)) or "none"
+        rank0_err = read_from(self._directory / "rank0.err", 0)
+        diagnoses = re.findall(r"^diagnosis: .*$", rank0_err, re.MULTILINE)
+        return RankTimeoutError(
+            f"ranks {', '.join(map(str, stuck))} did not finish within {timeout:g} s "
+            f"(finished: {finished}). {diagnoses[-1] + ' ' if diagnoses else ''}"
+            f"Python stack of every unfinished rank:\n{stacks}",
+            outputs=self._outputs(),
+        )
+
+    def close(self) -> None:
+        """Stop every worker and what it started; then remove the files.
+
+        Idle workers are asked to stop; busy ones get SIGTERM (``distributed()``
+        turns it into ``SystemExit``, so the rank's ``finally`` blocks run) and
+        :data:`FINALLY_GRACE_S` to go. Then every worker's process group gets
+        SIGKILL: a rank's own subprocesses never outlive it.
+        """
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                if self.healthy:
+                    conn.send(None)
+        if self.healthy:
+            for process in self._processes:
+                process.join(0.5)
+        busy = [process for process in self._processes if process.is_alive()]
+        for process in busy:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + FINALLY_GRACE_S
+        for process in busy:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            if process.is_alive():  # killed before it had a process group of its own
+                process.kill()
+            process.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._processes = [], []
+        for note in self._directory.glob("rank*.pymp"):  # see worker._record_multiprocessing_dir
+            with contextlib.suppress(OSError):
+                folder = Path(note.read_text())
+                if folder.name.startswith("pymp-") and folder != own_multiprocessing_dir():
+                    shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(self._directory, ignore_errors=True)
+        atexit.unregister(self.close)
+
+
+def refuse_inherited_group() -> None:
+    """Refuse to fork ranks from a process that has a process group of its own.
+
+    Forked ranks would inherit the caller's group (and its ``distributed()``
+    context) and block destroying it, or form theirs beside it.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    raise RuntimeError(
+        f"launch() was called while this process is rank {dist.get_rank()} of a process "
+        f"group of {dist.get_world_size()} (inside `with distributed()`, after setup_ddp() "
+        "or init_process_group()); ranks forked from it would inherit that group. Call "
+        "launch() outside the `with distributed()` block, or after cleanup_ddp() / "
+        "torch.distributed.destroy_process_group()."
+    )
+
+
+#: Seconds between two looks at the ranks' output files when it is streamed.
+ECHO_INTERVAL_S = 0.1
+
+
+class Echo:
+    """Streams the ranks' output files to this process's stdout/stderr, line by line."""
+
+    def __init__(self, directory: Path, world_size: int) -> None:
+        self._files = [
+            (rank, directory / f"rank{rank}.{name}", stream)
+            for rank in range(world_size)
+            for name, stream in (("out", "stdout"), ("err", "stderr"))
+        ]
+        self._offsets = {path: _size(path) for _, path, _ in self._files}
+
+    def pump(self, final: bool = False) -> None:
+        for rank, path, stream in self._files:
+            with contextlib.suppress(OSError):
+                with open(path, "rb") as handle:
+                    handle.seek(self._offsets[path])
+                    data = handle.read()
+                if not final:
+                    data = data[: data.rfind(b"\n") + 1]  # whole lines only, until the end
+                self._offsets[path] += len(data)
+                target = getattr(sys, stream)
+                for line in data.decode(errors="replace").splitlines():
+                    print(f"[rank {rank}] {line}", file=target, flush=True)
+
+
+def own_multiprocessing_dir() -> Path | None:
+    """This process's ``pymp-*`` folder, if it has one (forked ranks inherit it: keep it)."""
+    folder = multiprocessing.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+    return Path(folder) if folder else None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

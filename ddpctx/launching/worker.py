@@ -1,0 +1,260 @@
+"""One rank's life inside a forked worker process: output capture, stack dumps, tasks.
+
+The parent side (:mod:`ddpctx.launching.launcher`) forks a worker per rank and sends it
+:class:`Task` objects; :func:`worker_main` runs each inside a fresh process
+group and ``distributed()``, and sends back an :class:`Outcome`: the value, a
+``pytest.skip``, or the exception (rebuilt in the parent if it pickles) with
+its traceback text starting at the user's own frames.
+
+Set up once per worker: die with the parent (``PR_SET_PDEATHSIG``), ignore
+Ctrl-C (the parent handles it), send stdout/stderr -- Python and C level -- to
+files the parent reads per task, dump every thread's stack on SIGUSR1, and
+run torch with one intra-op thread (the parent's OpenMP pool does not survive
+the fork; torchrun's workers use one thread too).
+
+Example:
+    >>> Task(print, ("hi",), {}, seed=None, timeout=None, store="").args
+    ('hi',)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddpctx.launching.taskstate import RankState
+
+
+@dataclass
+class Task:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    seed: int | None
+    timeout: float | None
+    store: str  # FileStore path, fresh per task
+    environ: dict[str, str] | None = None  # the caller's environment, to run the task in
+    cwd: str | None = None  # the caller's working directory, likewise
+    init: bool = True  # False: no group; the task gets the rendezvous variables instead
+
+
+@dataclass
+class Outcome:
+    """What one rank sends back for one task."""
+
+    rank: int
+    kind: str  # "ok", "error", "skip"
+    value: Any = None
+    error: BaseException | None = None
+    error_text: str = ""  # "Type: message"
+    remote_traceback: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    finished: float = field(default_factory=time.monotonic)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _redirect_output(directory: Path, rank: int) -> tuple[Path, Path]:
+    """Send this worker's stdout/stderr (Python and C level) to files."""
+    out_path, err_path = directory / f"rank{rank}.out", directory / f"rank{rank}.err"
+    for path, fd, name in ((out_path, 1, "stdout"), (err_path, 2, "stderr")):
+        stream = open(path, "a", buffering=1)  # noqa: SIM115 -- lives as long as the worker
+        os.dup2(stream.fileno(), fd)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    return out_path, err_path
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    conn: multiprocessing.connection.Connection,
+    directory: Path,
+    first: Task | None,
+) -> None:
+    """A worker's whole life: take tasks until told to stop (or the parent is gone)."""
+    _die_with_parent()
+    # A process group of its own: the parent can end the rank together with every process
+    # the rank started (DataLoader workers, a user's subprocesses) with one killpg.
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    out_path, err_path = _redirect_output(directory, rank)
+    stacks = open(directory / f"rank{rank}.stack", "w")  # noqa: SIM115 -- worker lifetime
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    _record_multiprocessing_dir(directory, rank)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # The parent's OpenMP thread pool does not survive fork: a forked rank that enters a
+        # parallel region deadlocks. One intra-op thread per rank (torchrun's default too)
+        # keeps torch from entering one.
+        torch.set_num_threads(1)
+    from ddpctx.launching.taskstate import capture
+
+    start = capture()
+    task = first
+    while True:
+        if task is None:
+            try:
+                task = conn.recv()
+            except (EOFError, OSError):
+                return
+            if task is None:
+                return
+        out_start, err_start = out_path.stat().st_size, err_path.stat().st_size
+        outcome = _run_task(rank, world_size, task, start)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        outcome.stdout = read_from(out_path, out_start)
+        outcome.stderr = read_from(err_path, err_start)
+        try:
+            conn.send(outcome)
+        except Exception as error:  # the value or the exception would not pickle
+            conn.send(_unpicklable(outcome, error))
+        task = None
+
+
+def _record_multiprocessing_dir(directory: Path, rank: int) -> None:
+    """Create this process's ``pymp-*`` folder now and note where it is, for the parent.
+
+    Sending a tensor back to the parent starts a ``multiprocessing`` listener
+    whose socket lives in a ``pymp-*`` folder, removed when the process exits
+    normally -- never when a rank is killed after a peer failed. The parent
+    removes the folders noted here when it closes the pool.
+    """
+    import multiprocessing.util
+
+    (directory / f"rank{rank}.pymp").write_text(multiprocessing.util.get_temp_dir())
+
+
+def read_from(path: Path, offset: int) -> str:
+    with open(path, errors="replace") as handle:
+        handle.seek(offset)
+        return handle.read()
+
+
+def _unpicklable(outcome: Outcome, error: Exception) -> Outcome:
+    what = "result" if outcome.kind == "ok" else "exception"
+    return Outcome(
+        outcome.rank,
+        "error",
+        error_text=outcome.error_text
+        or f"TypeError: rank {outcome.rank}'s {what} could not be sent back ({error})",
+        remote_traceback=outcome.remote_traceback,
+        stdout=outcome.stdout,
+        stderr=outcome.stderr,
+    )
+
+
+def _run_task(rank: int, world_size: int, task: Task, start: RankState) -> Outcome:
+    import torch.distributed as dist
+
+    from ddpctx.launching.taskstate import task_state
+
+    try:
+        with task_state(start, task.environ, task.cwd):
+            os.environ.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                GROUP_RANK="0",
+                DDPCTX_LAUNCHER="launch",
+            )
+            try:
+                return Outcome(rank, "ok", value=_call(rank, world_size, task))
+            finally:
+                if dist.is_initialized():  # formed by ddpctx, or left behind by the task
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group()
+    except BaseException as error:
+        if _is_pytest_skip(error):
+            return Outcome(rank, "skip", error_text=str(error))
+        text = "".join(traceback.format_exception(type(error), error, _user_frames(error)))
+        return Outcome(
+            rank,
+            "error",
+            error=_picklable(error),
+            error_text=f"{type(error).__name__}: {error}",
+            remote_traceback=text,
+        )
+
+
+def _call(rank: int, world_size: int, task: Task) -> Any:
+    """Form the group (or hand out the rendezvous variables) and run the task's function."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpctx.session.context import distributed
+    from ddpctx.session.formation import form_group
+    from ddpctx.session.group import init_kwargs, loopback_gloo
+    from ddpctx.utils.env import resolve_timeout
+
+    timeout = resolve_timeout(task.timeout, os.environ)
+    store = dist.FileStore(task.store, world_size)  # type: ignore[attr-defined]
+    store.set_timeout(timeout)
+    if not task.init:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=_agreed_port(store, rank))
+        return task.fn(*task.args, **task.kwargs)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    with loopback_gloo():
+        form_group(store, rank=rank, world_size=world_size, **init_kwargs(backend, device, timeout))
+    with distributed(seed=task.seed, timeout=task.timeout):
+        return task.fn(*task.args, **task.kwargs)
+
+
+def _agreed_port(store: Any, rank: int) -> str:
+    """A free loopback port, picked by rank 0 and read by the others from the task's store."""
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            store.set("ddpctx/master_port", str(probe.getsockname()[1]))
+    return bytes(store.get("ddpctx/master_port")).decode()
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def _user_frames(error: BaseException) -> Any:
+    """The exception's traceback without the leading frames of ddpctx's own machinery."""
+    frames = error.__traceback__
+    while frames is not None and frames.tb_next is not None:
+        if not str(Path(frames.tb_frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+            break
+        frames = frames.tb_next
+    return frames
+
+
+def _is_pytest_skip(error: BaseException) -> bool:
+    pytest = sys.modules.get("pytest")
+    return pytest is not None and isinstance(error, pytest.skip.Exception)
+
+
+def _picklable(error: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return None
+    error.__traceback__ = None  # tracebacks never pickle; the text travels separately
+    return error

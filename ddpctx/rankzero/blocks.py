@@ -1,0 +1,80 @@
+"""Rank-zero blocks: ``with ctx.rank_zero() as main: if main: ...`` and ``ctx.atomic_dir``.
+
+A block of code that only rank 0 runs, without turning it into a decorated
+function, with the failure guarantee of ``@rank_zero_only(barrier=True)``:
+on leaving the block rank 0 sends every rank an :class:`~ddpctx.rankzero.outcome.Outcome`;
+if rank 0's block raised, it re-raises its own exception and the others raise
+:class:`~ddpctx.RankZeroError` carrying its traceback, instead of waiting at a
+barrier. The other ranks skip the body themselves (``if main:``); a ``with``
+statement cannot skip its body.
+
+:func:`atomic_dir` builds on it: rank 0 gets a temporary directory beside
+``path`` to write into; on success it replaces ``path`` in one rename; on
+failure it is removed and ``path`` is untouched. Others get None and wait.
+Missing parent directories are created (as ``save_pretrained`` would).
+
+This module sits beside :mod:`ddpctx.rankzero.outcome` (whose protocol it reuses
+unchanged) and below :mod:`ddpctx.session.context`.
+
+Example:
+    >>> place = Place(rank=0, world_size=1, local_rank=0, node_rank=0)
+    >>> with rank_zero_block(place) as main:
+    ...     if main:
+    ...         print("only rank 0")
+    only rank 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from ddpctx.rankzero.outcome import Outcome, share
+from ddpctx.utils.atomic import remove_abandoned, replace_dir, temporary_name
+from ddpctx.utils.identity import Place
+
+
+@contextlib.contextmanager
+def rank_zero_block(place: Place, local: bool = False) -> Iterator[bool]:
+    """Yield True on (local) rank 0 and False elsewhere; on exit every rank waits for rank 0.
+
+    A failure inside rank 0's block is raised on every rank.
+    """
+    if not place.is_zero(local):
+        yield False
+        outcome, source = share(None, place, local)
+        outcome.result(source)  # RankZeroError if rank 0's block failed
+        return
+    try:
+        yield True
+    except Exception as error:
+        share(Outcome.failure(error), place, local)
+        raise
+    share(Outcome(True), place, local)
+
+
+@contextlib.contextmanager
+def atomic_dir(place: Place, path: Path) -> Iterator[Path | None]:
+    """Rank 0 writes a directory into the yielded temporary path; it replaces ``path`` whole."""
+    with rank_zero_block(place) as main:
+        if not main:
+            yield None
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)  # as save_pretrained would
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(
+                f"{str(path)!r} exists and is not a directory; atomic_dir replaces directories "
+                "only. Remove it, or choose another path."
+            )
+        for suffix in ("tmpdir", "old"):
+            remove_abandoned(path, suffix)
+        temporary = temporary_name(path, "tmpdir")
+        temporary.mkdir()
+        try:
+            yield temporary
+            replace_dir(temporary, path)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise

@@ -1,0 +1,371 @@
+"""One wire: the buffer, and the collective, that a group of leaves travels in.
+
+A :class:`Wire` holds the leaves of a result that share a reduction op and a
+wire dtype (chosen by :mod:`ddpctx.reduce.packing`), each at a :class:`Slot`. It packs
+their values into one new buffer (never a view of an input: the reduction
+works in place) and cuts a reduced buffer back into leaves of their own kinds.
+
+Integers in a float wire travel as *pieces*: ``bits_per_piece`` bits each,
+non-negative, so ``world`` of them sum exactly in the float; the int64 sum is
+put back together modulo 2**64, which is how int64 wraps.
+
+Two layouts get a fast path, because they are what metrics usually are: all
+0-d tensors of one dtype (one ``stack``, one ``unbind``), and all Python or
+NumPy scalars (one ``torch.tensor``, one ``tolist``).
+
+Example:
+    >>> wire = Wire("sum", torch.float64, [Slot(0, 1, 1, 1, None, False)], 2, True, False, 51)
+    >>> wire.prepare([leaf_of(2.5)], [float])
+    >>> buffer = wire.pack([2.5], torch.device("cpu"))
+    >>> buffer.tolist()
+    [0.0, 2.5]
+    >>> results = [None]
+    >>> wire.unpack(buffer, results, 1, {})
+    >>> results
+    [2.5]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf, flatten
+
+_INT64 = 2**64
+
+
+def leaf_of(value: Any) -> Leaf:
+    """The :class:`~ddpctx.reduce.tree.Leaf` record of a single value (for examples and tests)."""
+    return flatten(value)[0][0]
+
+
+@dataclass
+class Slot:
+    """One leaf's place in a wire: ``count`` values from ``start``, as ``pieces`` pieces each."""
+
+    leaf: int
+    start: int
+    count: int
+    pieces: int  # 1: the value itself; k > 1: an int64 cut into k exact pieces
+    weight: int | None  # weighted mean: multiplied by this leaf's value before sending
+    mean: bool  # divided after the sum: by the world size, or by the total weight
+
+
+@dataclass
+class Wire:
+    """One buffer and one collective: every leaf sharing an op and a wire dtype."""
+
+    op: str
+    dtype: torch.dtype
+    slots: list[Slot]
+    length: int  # elements, flag and NaN marker included
+    flag: bool  # element 0 is the protocol's flag
+    nan_marker: bool  # the last element says whether a rank held a NaN (float max/min)
+    bits_per_piece: int
+    packing: str = "general"  # or "stack" (0-d tensors) or "numbers" (Python/NumPy scalars)
+    unpacking: str = "general"  # or "tensors" or "numbers"
+    leaves: list[Leaf] = field(default_factory=list)
+    targets: list[Any] = field(default_factory=list)  # per slot
+    first_pieces: int = 0  # slots from here on are integers in pieces
+    int_scalars: str = ""  # those integers: all 0-d tensors (TENSOR), all numbers (PYTHON)
+    _flags: dict[Any, torch.Tensor] = field(default_factory=dict)
+
+    def prepare(self, leaves: Sequence[Leaf], targets: Sequence[Any]) -> None:
+        """Pick the fast paths this wire's leaves allow (once, when the plan is made)."""
+        mine = [leaves[slot.leaf] for slot in self.slots]
+        self.leaves = mine
+        self.first_pieces = next(
+            (i for i, slot in enumerate(self.slots) if slot.pieces > 1), len(self.slots)
+        )
+        ints = mine[self.first_pieces :]
+        if ints and all(leaf.kind == TENSOR and not leaf.shape for leaf in ints):
+            self.int_scalars = TENSOR if len({leaf.native for leaf in ints}) == 1 else ""
+        elif ints and all(leaf.kind != TENSOR and not leaf.shape for leaf in ints):
+            self.int_scalars = PYTHON
+        self.targets = [targets[slot.leaf] for slot in self.slots]
+        plain = all(s.pieces == 1 and s.weight is None for s in self.slots)
+        if not self.slots or self.nan_marker:
+            return
+        scalar_tensors = all(leaf.kind == TENSOR and not leaf.shape for leaf in mine)
+        if plain and scalar_tensors and len({leaf.native for leaf in mine}) == 1:
+            self.packing = "stack"
+        if all(leaf.kind != TENSOR and not leaf.shape for leaf in mine):
+            self.packing = "numbers" if plain else self.packing
+            self.unpacking = "numbers"
+        elif (
+            plain
+            and scalar_tensors
+            and len({(t, leaf.device) for t, leaf in zip(self.targets, mine, strict=True)}) == 1
+            and len({s.mean for s in self.slots}) == 1
+        ):
+            self.unpacking = "tensors"
+
+    def flag_value(self, raised: bool) -> float:
+        """What this rank puts in the flag element: any rank's 1 survives the wire's op."""
+        if self.op == "min":
+            return -float(raised)
+        if self.op == "prod":
+            return 1.0 + float(raised)
+        return float(raised)
+
+    def flag_raised(self, reduced: float) -> bool:
+        if self.op == "min":
+            return reduced < -0.5
+        if self.op == "prod":
+            return reduced > 1.5
+        return reduced > 0.5
+
+    def empty(self, device: torch.device, raised: bool) -> torch.Tensor:
+        """A buffer of this wire's length holding only the flag (a rank that cannot pack)."""
+        neutral = 1.0 if self.op == "prod" else 0.0
+        buffer = torch.full((self.length,), neutral, dtype=self.dtype, device=device)
+        if self.flag:
+            buffer[0] = self.flag_value(raised)
+        return buffer
+
+    def pack(
+        self, values: Sequence[Any], device: torch.device, hide_nans: bool = True
+    ) -> torch.Tensor:
+        """This wire's values as one new buffer (never a view of an input).
+
+        In a float max/min wire, NaNs are replaced by the op's identity and
+        flagged in the last element; ``hide_nans=False`` leaves them in place.
+        """
+        if self.packing == "stack":
+            mine = [values[slot.leaf] for slot in self.slots]
+            if self.flag:
+                mine.insert(0, self._flag(mine[0]))
+            with torch.no_grad():
+                return torch.stack(mine).to(device, self.dtype)
+        if self.packing == "numbers":
+            numbers = [_number(values[slot.leaf], self.dtype) for slot in self.slots]
+            if self.flag:
+                numbers.insert(0, self.flag_value(False))
+            return torch.tensor(numbers, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            return self._pack(values, device, hide_nans)
+
+    def _flag(self, like: torch.Tensor) -> torch.Tensor:
+        """A lowered flag as a 0-d tensor of ``like``'s dtype and device (0 or 1: exact in any
+        dtype), so that stacking it with the values needs no type promotion (a slow path)."""
+        key = (like.dtype, like.device)
+        flag = self._flags.get(key)
+        if flag is None:
+            flag = torch.tensor(self.flag_value(False), dtype=like.dtype, device=like.device)
+            self._flags[key] = flag
+        return flag
+
+    def _pack(self, values: Sequence[Any], device: torch.device, hide_nans: bool) -> torch.Tensor:
+        parts: list[torch.Tensor] = []
+        if self.flag:
+            parts.append(torch.tensor([self.flag_value(False)], dtype=self.dtype, device=device))
+        numbers: list[Any] = []
+        for slot in self.slots[: self.first_pieces]:
+            value = values[slot.leaf]
+            if slot.weight is not None:
+                value = _times(value, values[slot.weight])
+            if isinstance(value, torch.Tensor):
+                if numbers:
+                    parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
+                    numbers = []
+                parts.append(value.detach().reshape(-1).to(device, self.dtype))
+            elif isinstance(value, np.ndarray):
+                if numbers:
+                    parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
+                    numbers = []
+                parts.append(_from_numpy(value).reshape(-1).to(device, self.dtype))
+            else:
+                numbers.append(_number(value, self.dtype))
+        if numbers:
+            parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
+        if self.first_pieces < len(self.slots):
+            parts.append(self._cut(self._ints(values, device)))
+        if not self.nan_marker:
+            return torch.cat(parts)  # a copy, also of a single part
+        payload = torch.cat(parts)
+        if not hide_nans:
+            return torch.cat([payload, payload.new_zeros(1)])
+        start = 1 if self.flag else 0
+        body = payload[start:]
+        nan = torch.isnan(body)
+        body.masked_fill_(nan, -math.inf if self.op == "max" else math.inf)
+        marker = nan.any().to(self.dtype).reshape(1)
+        return torch.cat([payload, marker if self.op == "max" else -marker])
+
+    def _ints(self, values: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """Every integer leaf of this wire that travels in pieces, as one int64 vector."""
+        mine = [values[slot.leaf] for slot in self.slots[self.first_pieces :]]
+        if self.int_scalars == TENSOR:
+            return torch.stack(mine).to(device, torch.int64)
+        if self.int_scalars:
+            return torch.tensor([_number(v, torch.int64) for v in mine], device=device)
+        return torch.cat([_as_int64(value, device) for value in mine])
+
+    def _cut(self, ints: torch.Tensor) -> torch.Tensor:
+        """An int64 vector as exact non-negative pieces, ``pieces`` per value (two's complement)."""
+        bits = self.bits_per_piece
+        pieces = self.slots[-1].pieces
+        shifts = torch.arange(0, bits * pieces, bits, device=ints.device)
+        return ((ints.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1).to(self.dtype)
+
+    def _join(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The int64 sums of every pieces slot, from the reduced pieces (wrapping like int64)."""
+        pieces = self.slots[-1].pieces
+        start = self.slots[self.first_pieces].start
+        exact = reduced[start:].reshape(-1, pieces).to(torch.int64)
+        shifts = torch.arange(0, self.bits_per_piece * pieces, self.bits_per_piece)
+        return (exact << shifts.to(exact.device)).sum(dim=1)  # modulo 2**64, like int64
+
+    def nan_seen(self, reduced: torch.Tensor) -> bool:
+        if not self.nan_marker:
+            return False
+        value = float(reduced[-1])
+        return value > 0.5 if self.op == "max" else value < -0.5
+
+    def values(
+        self, reduced: torch.Tensor, slot: Slot, joined: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One leaf's reduced values, flat: in the wire dtype, or int64 for pieces."""
+        start = slot.start
+        if slot.pieces == 1:
+            return reduced[start : start + slot.count]
+        if joined is None:
+            joined = self._join(reduced)
+        first = (start - self.slots[self.first_pieces].start) // slot.pieces
+        return joined[first : first + slot.count]
+
+    def unpack(
+        self, reduced: torch.Tensor, results: list[Any], world: int, totals: dict[int, float]
+    ) -> None:
+        """Put this wire's leaves, reduced and divided, as their own kinds into ``results``."""
+        if self.unpacking == "tensors":
+            start = int(self.flag)
+            body = reduced[start : start + len(self.slots)]
+            if self.slots[0].mean and world > 1:
+                body = body.div_(world)  # the buffer is ours: in place
+            target, leaf = self.targets[0], self.leaves[0]
+            if not target.is_floating_point and body.is_floating_point():
+                body = body.round()
+            for slot, value in zip(self.slots, body.to(leaf.device, target).unbind(0), strict=True):
+                results[slot.leaf] = value
+            return
+        if self.unpacking == "numbers":
+            numbers = reduced.tolist()
+            for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
+                number: Any = numbers[slot.start]
+                if slot.pieces > 1:
+                    number = self._joined(numbers[slot.start : slot.start + slot.pieces])
+                if slot.mean:
+                    number = _divided(number, world if slot.weight is None else totals[slot.weight])
+                results[slot.leaf] = _scalar(leaf, target, number)
+            return
+        joined = self._join(reduced) if self.first_pieces < len(self.slots) else None
+        for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
+            value = self.values(reduced, slot, joined)
+            if slot.mean:  # the buffer (or the joined pieces) is ours: divide in place
+                if not value.is_floating_point():
+                    value = value.to(torch.float64)
+                value = value.div_(world if slot.weight is None else totals[slot.weight])
+            results[slot.leaf] = _finish(leaf, target, value)
+
+    def _joined(self, pieces: Sequence[float]) -> int:
+        total = sum(round(piece) << (self.bits_per_piece * k) for k, piece in enumerate(pieces))
+        total %= _INT64
+        return total - _INT64 if total >= _INT64 // 2 else total
+
+    def total(self, reduced: torch.Tensor, slot: Slot) -> float:
+        """A weight leaf's reduced value, as a float."""
+        return float(self.values(reduced, slot).reshape(-1)[0])
+
+
+def _times(value: Any, weight: Any) -> Any:
+    """``value * weight`` formed in float64 (floats and ints alike)."""
+    factor = float(weight)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64) * factor
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.astype(np.float64) * factor)
+    return float(value) * factor
+
+
+def _from_numpy(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    if array.dtype.kind == "b":
+        array = array.astype(np.int64)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _as_int64(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(-1).to(device, torch.int64)
+    if isinstance(value, np.ndarray):
+        return _from_numpy(value).reshape(-1).to(device, torch.int64)
+    number = int(value)
+    if not -(2**63) <= number < 2**63:
+        raise OverflowError(
+            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
+            "float (float(x)) or split it."
+        )
+    return torch.tensor([number], dtype=torch.int64, device=device)
+
+
+def _number(value: Any, dtype: torch.dtype) -> Any:
+    if dtype.is_floating_point:
+        return float(value)
+    number = int(value)
+    if not -(2**63) <= number < 2**63:
+        raise OverflowError(
+            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
+            "float (float(x)) or split it."
+        )
+    return number
+
+
+def _finish(leaf: Leaf, target: Any, value: torch.Tensor) -> Any:
+    """A reduced flat tensor as the leaf's own kind: tensor, array, NumPy or Python number."""
+    if leaf.kind == TENSOR:
+        shaped = value.reshape(leaf.shape)
+        if not target.is_floating_point and shaped.is_floating_point():
+            shaped = shaped.round()
+        return shaped.to(leaf.device, target)
+    host = value.cpu()
+    if leaf.kind == NUMPY:
+        array = host.numpy().reshape(leaf.shape)
+        if target.kind in "biu" and array.dtype.kind == "f":
+            array = np.rint(array) if np.isfinite(array).all() else array
+        cast = array.astype(target) if target.kind != "b" else array != 0
+        return cast[()] if not leaf.shape else cast
+    number = host.item()
+    if target is float:
+        return float(number)
+    if target is bool:
+        return bool(number)
+    return int(number)
+
+
+def _scalar(leaf: Leaf, target: Any, number: Any) -> Any:
+    """A reduced Python number as a Python or NumPy scalar of the leaf's result type."""
+    if leaf.kind == PYTHON:
+        if target is float:
+            return float(number)
+        if target is bool:
+            return bool(number)
+        return int(number)
+    kind = target.kind
+    if kind == "b":
+        return np.bool_(number != 0)
+    if kind in "iu":
+        return np.array(int(number), dtype=np.int64).astype(target)[()]
+    return target.type(number)
+
+
+def _divided(number: float, divisor: float) -> float:
+    """``number / divisor`` as a float division in torch would give it: 0/0 is NaN."""
+    if divisor:
+        return number / divisor
+    return math.nan if number == 0 or math.isnan(number) else math.copysign(math.inf, number)

@@ -1,0 +1,270 @@
+"""``distributed()``: one ``with`` block around a whole distributed run.
+
+Contract (``DESIGN.md`` section 2), in the order things happen on enter:
+
+1. Refuse nesting; check every argument and every launcher variable. All
+   validation happens before anything is started, so a bad input leaves no
+   process group, handler or flag behind.
+2. Pick the backend (``nccl`` with CUDA, else ``gloo``) and the device
+   (``cuda:<local_rank>`` or ``cpu``), and pin the device.
+3. Form the process group -- always, also for one process (an in-memory
+   store, gloo pinned to loopback) -- or adopt one that someone else formed
+   (it is then left alive on exit).
+4. Turn SIGTERM (what torchrun sends the survivors when a rank dies) into
+   ``SystemExit(143)`` so the clean-up below runs instead of the process
+   vanishing mid-write.
+5. Seed every generator with ``seed + rank``; optionally turn on
+   deterministic algorithms.
+
+On exit, whatever the cause, everything is undone in reverse order, and the
+process group is destroyed in bounded time. An exception leaving the block is
+re-raised unchanged; under torchrun it is first written to
+``TORCHELASTIC_ERROR_FILE`` in the format of torch's ``@record``, so the
+launcher's report names the failing rank and shows its traceback.
+
+Layering: ``env`` and ``seeding`` are pure helpers below this module; the
+decorators, data loading, checkpoints and launchers sit above it and reach
+the active context through :func:`current`, the one piece of module state.
+
+Example:
+    >>> from ddpctx import distributed
+    >>> with distributed(seed=0) as ctx:
+    ...     (ctx.rank, ctx.world_size, ctx.backend, str(ctx.device))
+    (0, 1, 'gloo', 'cpu')
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from types import TracebackType
+from typing import Literal, TypeVar, cast
+
+import contextlib2
+import torch
+import torch.distributed as dist
+
+from ddpctx.hang.inflight import torch_detail_debug
+from ddpctx.hang.watchdog import Doctor, HangSettings, resolve_hang_settings
+from ddpctx.session.distcontext import DistContext
+from ddpctx.session.group import destroy_group_bounded, init_group
+from ddpctx.session.signals import exit_on_sigterm
+from ddpctx.utils.env import (
+    LaunchInfo,
+    detect_launch,
+    resolve_backend,
+    resolve_device_index,
+    resolve_timeout,
+)
+from ddpctx.utils.errors import record_for_torchrun, should_record
+from ddpctx.utils.identity import occupant, occupy
+from ddpctx.utils.seeding import enable_deterministic, seed_everything, validate_seed
+
+T = TypeVar("T")
+
+
+def current() -> DistContext | None:
+    """The active :class:`DistContext`, or None outside ``distributed()``.
+
+    >>> current() is None
+    True
+    """
+    return cast("DistContext | None", occupant())
+
+
+def distributed(
+    seed: int | None = None,
+    *,
+    backend: str | None = None,
+    timeout: float | timedelta | None = None,
+    deterministic: bool = False,
+    hang_timeout: float | None = None,
+    on_hang: Literal["report", "raise"] = "report",
+    debug: bool = False,
+) -> DistributedSession:
+    """Set up (and always tear down) distributed training for the block.
+
+    Args:
+        seed: base seed; rank ``r`` seeds ``random``, NumPy, torch and CUDA
+            with ``seed + r``. None leaves the generators alone.
+        backend: ``"nccl"``, ``"gloo"``, ... Default: ``nccl`` with CUDA, else ``gloo``.
+        timeout: collective timeout in seconds (or a ``timedelta``). Default:
+            ``DDPCTX_TIMEOUT`` seconds if set, else 10 minutes.
+        deterministic: turn on ``torch.use_deterministic_algorithms`` and the
+            cuDNN flags for the block, restoring the previous flags on exit.
+        hang_timeout: seconds a rank may wait in one collective before every
+            rank's stack is collected and rank 0 prints a hang report
+            (:mod:`ddpctx.hang.watchdog`). Default: ``DDPCTX_HANG_TIMEOUT`` if set,
+            else a fifth of ``timeout``, at most 300. ``0`` turns it off.
+        on_hang: ``"report"`` (print the report, keep waiting) or ``"raise"``
+            (every rank raises :class:`~ddpctx.HangError` carrying the report).
+        debug: check before every collective that all ranks are in the same one
+            (one extra tiny collective each), and turn on torch's
+            ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for a group formed here. Also
+            ``DDPCTX_DEBUG=collectives``.
+
+    The same script runs under ``torchrun``, under ``srun`` and as a plain
+    ``python script.py`` (world size 1).
+
+    Example:
+        >>> with distributed(seed=42) as ctx:
+        ...     ctx.seed
+        42
+    """
+    return DistributedSession(
+        seed, backend, timeout, deterministic, hang=(hang_timeout, on_hang, debug)
+    )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    info: LaunchInfo
+    backend: str
+    device: torch.device
+    timeout: timedelta
+    seed: int | None
+    adopted: bool
+    hang: HangSettings
+
+
+class DistributedSession:
+    """The context manager :func:`distributed` returns; ``__enter__`` yields the context.
+
+    Example:
+        >>> session = distributed()
+        >>> with session as ctx:
+        ...     ctx.world_size
+        1
+    """
+
+    def __init__(
+        self,
+        seed: int | None,
+        backend: str | None,
+        timeout: float | timedelta | None,
+        deterministic: bool,
+        hang: tuple[object, object, object] = (None, "report", False),
+    ) -> None:
+        self._seed = seed
+        self._hang = hang
+        self._doctor: Doctor | None = None
+        self._backend = backend
+        self._timeout = timeout
+        self._deterministic = deterministic
+        self._cleanup = contextlib2.ExitStack()
+
+    def __enter__(self) -> DistContext:
+        active = current()
+        if active is not None:
+            raise RuntimeError(
+                f"distributed() is already active in this process ({active!r}); nesting "
+                "would form a second process group. Use the context you have, or "
+                "ddpctx.current() to reach it from deeper code."
+            )
+        plan = _make_plan(self._seed, self._backend, self._timeout, os.environ, self._hang)
+        with contextlib2.ExitStack() as stack:  # unwinds everything if a step fails
+            if plan.device.type == "cuda":
+                torch.cuda.set_device(plan.device)
+            if not plan.adopted:
+                with torch_detail_debug(plan.hang.debug):
+                    init_group(plan.info, plan.backend, plan.device, plan.timeout)
+                stack.callback(destroy_group_bounded)
+            doctor = Doctor(
+                plan.hang, plan.info.rank, plan.info.world_size, cuda=plan.device.type == "cuda"
+            )
+            stack.callback(doctor.stop)  # before the group is destroyed
+            self._doctor = doctor
+            restore_handler = exit_on_sigterm(plan.info.rank)
+            if restore_handler is not None:
+                stack.callback(restore_handler)
+            if plan.seed is not None:
+                seed_everything(plan.seed + plan.info.rank)
+            if self._deterministic:
+                stack.callback(enable_deterministic())
+            context = DistContext(plan.info, plan.backend, plan.device, plan.seed, self.close)
+            occupy(context)
+            stack.callback(occupy, None)
+            self._cleanup = stack.pop_all()
+        return context
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        try:
+            if exc is not None and should_record(exc):
+                reports = self._doctor.reports if self._doctor is not None else []
+                record_for_torchrun(exc, os.environ, note="\n\n".join(reports))
+        finally:
+            self.close()
+        return False
+
+    def close(self) -> None:
+        """Undo everything ``__enter__`` did; safe to call more than once."""
+        self._cleanup.close()
+
+
+def _make_plan(
+    seed: object,
+    backend: str | None,
+    timeout: float | timedelta | None,
+    environ: Mapping[str, str],
+    hang: tuple[object, object, object] = (None, "report", False),
+) -> _Plan:
+    """Every decision and every check, with no side effect."""
+    resolved_timeout = resolve_timeout(timeout, environ)
+    hang_settings = resolve_hang_settings(*hang, resolved_timeout.total_seconds(), environ)
+    cuda_available = torch.cuda.is_available()
+    if dist.is_initialized():
+        info, resolved_backend = _adopted_launch(backend, environ)
+    else:
+        info = detect_launch(environ)
+        resolved_backend = resolve_backend(backend, cuda_available)
+    device_index = resolve_device_index(
+        info,
+        cuda_available,
+        torch.cuda.device_count() if cuda_available else 0,
+        environ.get("CUDA_VISIBLE_DEVICES"),
+    )
+    device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
+    return _Plan(
+        info=info,
+        backend=resolved_backend,
+        device=device,
+        timeout=resolved_timeout,
+        seed=validate_seed(seed, info.world_size),
+        adopted=dist.is_initialized(),
+        hang=hang_settings,
+    )
+
+
+def _adopted_launch(backend: str | None, environ: Mapping[str, str]) -> tuple[LaunchInfo, str]:
+    """Describe a process group that someone else initialised.
+
+    Rank and world size come from the group. The launcher and local ranks come
+    from the environment when it agrees with the group; otherwise (e.g.
+    ``mp.spawn`` without ``RANK``) the group is taken to be one node.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    group_backend = str(dist.get_backend())
+    if backend is not None and backend.lower() not in group_backend:
+        raise ValueError(
+            f"backend={backend!r} but the process group that was already initialised uses "
+            f"{group_backend!r}. Drop backend= to adopt the existing group, or destroy it first."
+        )
+    detected = detect_launch(environ, rendezvous=False)
+    if (detected.rank, detected.world_size) == (rank, world_size):
+        return detected, group_backend
+    info = replace(
+        detected,
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        local_world_size=world_size,
+        node_rank=0,
+    )
+    return info, group_backend

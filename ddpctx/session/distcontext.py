@@ -1,0 +1,87 @@
+"""``DistContext``: the object ``with distributed() as ctx`` gives, made of one face per subsystem.
+
+Each face lives beside the subsystem it fronts and is a thin layer over it:
+
+- :class:`~ddpctx.reduce.faces.CollectiveFaces`: ``barrier``, ``all_reduce``,
+  ``broadcast``, ``all_gather``, ``any``, ``all``.
+- :class:`~ddpctx.rankzero.faces.RankZeroFaces`: ``rank_zero_first``,
+  ``rank_zero``, ``atomic_dir``, ``progress``, ``print``, ``is_main``.
+- :class:`~ddpctx.data.faces.DataFaces`: ``dataloader``, ``epochs``.
+- :class:`~ddpctx.parallel.faces.ModelFaces`: ``wrap``, ``unwrap``, ``no_sync``,
+  ``accumulate``.
+- :class:`~ddpctx.checkpoint.faces.CheckpointFaces`: ``save``, ``load``,
+  ``save_checkpoint``, ``load_checkpoint``.
+
+This module only names the run's facts (rank, device, seed, ...) and joins
+the faces; :mod:`ddpctx.session.context` makes the object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ddpctx.checkpoint.faces import CheckpointFaces
+from ddpctx.data.faces import DataFaces
+from ddpctx.data.loader import ShardLoader
+from ddpctx.data.sampling import Position
+from ddpctx.parallel.faces import ModelFaces
+from ddpctx.rankzero.faces import RankZeroFaces
+from ddpctx.reduce.collectives import Site
+from ddpctx.reduce.faces import CollectiveFaces
+from ddpctx.utils.env import Launcher, LaunchInfo
+
+
+class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, CheckpointFaces):
+    """This process's place in the run, and the operations that need it.
+
+    Made by :func:`distributed`; read its attributes, don't build one yourself.
+
+    Attributes:
+        rank, world_size: global rank and number of processes.
+        local_rank, local_world_size, node_rank: the same within this node.
+        device: ``cuda:<local_rank>`` or ``cpu``; ``backend``: ``nccl``, ``gloo``, ...
+        launcher: ``"torchrun"``, ``"slurm"``, ``"mpi"``, ``"launch"`` (``ddpctx.launch``
+            and the pytest plugin) or ``"single"``.
+        seed: this rank's effective seed (``seed + rank``) or None.
+        is_main, is_local_main: rank 0 globally / on this node.
+        restart_count: how often an elastic launcher restarted the job.
+
+    Example:
+        >>> from ddpctx import distributed
+        >>> with distributed() as ctx:
+        ...     (ctx.is_main, ctx.local_world_size, ctx.node_rank)
+        (True, 1, 0)
+    """
+
+    def __init__(
+        self,
+        info: LaunchInfo,
+        backend: str,
+        device: torch.device,
+        seed: int | None,
+        close: Callable[[], None],
+    ) -> None:
+        self.rank: int = info.rank
+        self.world_size: int = info.world_size
+        self.local_rank: int = info.local_rank
+        self.local_world_size: int = info.local_world_size
+        self.node_rank: int = info.node_rank
+        self.launcher: Launcher = info.launcher
+        self.restart_count: int = info.restart_count
+        self.backend: str = backend
+        self.device: torch.device = device
+        self.base_seed: int | None = seed
+        self.seed: int | None = None if seed is None else seed + info.rank
+        self._close = close
+        self._sites: dict[str, Site] = {}
+        self._loaders: list[ShardLoader] = []
+        self._resume_positions: list[tuple[Position | None, int]] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"DistContext(rank={self.rank}, world_size={self.world_size}, "
+            f"local_rank={self.local_rank}, device={str(self.device)!r}, "
+            f"backend={self.backend!r}, launcher={self.launcher!r}, seed={self.seed})"
+        )

@@ -1,0 +1,230 @@
+"""Forming and tearing down the process group, and the exits around it.
+
+- :func:`init_group`: one process -> an in-memory store (no rendezvous at
+  all); torchrun -> ``env://`` (torchrun's own store); SLURM / Open MPI ->
+  ``tcp://`` to rank 0. Each formation gets its own key prefix in the store
+  (:func:`formation_store`), and gloo is pinned to loopback for groups that
+  never leave this machine (:func:`loopback_gloo`).
+- :func:`destroy_group_bounded`: teardown that cannot hang the exit path.
+- :func:`record_for_torchrun`: the failing rank's exception, written where
+  torchrun looks for it (torch's ``@record`` format).
+
+Split out of :mod:`ddpctx.session.context`, which composes these into
+``distributed()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import ipaddress
+import os
+import socket
+import threading
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
+
+from ddpctx.session.formation import form_group
+from ddpctx.utils.env import LaunchInfo
+
+TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported, not re-declared
+
+#: How long exit waits for ``destroy_process_group`` before giving up on it.
+DESTROY_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def loopback_gloo() -> Iterator[None]:
+    """Pin gloo's transport to the loopback interface while a group is formed.
+
+    gloo listens on the address the host name resolves to -- often a LAN
+    address -- even for one process. Groups ddpctx forms by itself are local,
+    so they must not be reachable from the network.
+    """
+    names = [name for _, name in socket.if_nameindex()]
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback is None:  # no loopback interface known by name: nothing to pin
+        yield
+        return
+    previous = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = previous
+
+
+def init_kwargs(plan_backend: str, device: torch.device, timeout: timedelta) -> dict[str, Any]:
+    """Arguments for ``init_process_group`` common to every launcher.
+
+    On CUDA, ``device_id`` binds the group to this rank's GPU (eager NCCL
+    init, and no guessing of the device in barriers) where torch supports it.
+    """
+    kwargs: dict[str, Any] = {"backend": plan_backend, "timeout": timeout}
+    if device.type == "cuda" and _init_accepts_device_id():
+        kwargs["device_id"] = device
+    return kwargs
+
+
+def _init_accepts_device_id() -> bool:
+    return "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: timedelta) -> None:
+    """Form the default process group for ``info``'s launcher (see the module docstring)."""
+    kwargs = init_kwargs(backend, device, timeout)
+    if info.world_size == 1:
+        with loopback_gloo():
+            store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not re-declared
+            form_group(store, rank=0, world_size=1, **kwargs)
+        return
+    if info.launcher in ("torchrun", "launch"):
+        # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
+        store, _, _ = next(
+            rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=timeout)
+        )
+    else:
+        store = host_store(info, timeout)
+    store.set_timeout(timeout)
+    local_only = info.launcher != "torchrun" and _is_loopback(info.master_addr or "")
+    with loopback_gloo() if local_only else contextlib.nullcontext():
+        dist.init_process_group(
+            store=formation_store(store, info.rank),
+            rank=info.rank,
+            world_size=info.world_size,
+            **kwargs,
+        )
+
+
+def host_store(info: LaunchInfo, timeout: timedelta) -> Any:
+    """The rendezvous store for SLURM / Open MPI: rank 0 serves it, the others connect.
+
+    torch's TCPStore server listens on every interface whatever host it is
+    given. Rank 0 therefore binds the listening socket itself, to the address
+    ``MASTER_ADDR`` resolves to -- the one the other ranks connect to, and
+    loopback only when the whole job is on this machine -- and hands it over.
+    Where that address cannot be bound here, the store listens on all
+    interfaces as torch does, with a warning.
+    """
+    host, port = info.master_addr or "", info.master_port or 0
+    if info.rank != 0:
+        return TCPStore(host, port, info.world_size, False, timeout)
+    listener = _listen_on(host, port)
+    if listener is None:
+        store, _, _ = next(
+            rendezvous(tcp_url(info), rank=0, world_size=info.world_size, timeout=timeout)
+        )
+        return store
+    return TCPStore(
+        host,
+        port,
+        info.world_size,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns and closes it
+    )
+
+
+def _listen_on(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``host``'s address only, or None (with a warning) if impossible."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as error:
+        reason = str(error)
+    else:
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(1024)
+            return listener
+        except OSError as error:
+            listener.close()
+            reason = str(error)
+    warnings.warn(
+        f"could not listen on MASTER_ADDR={host!r} port {port} only ({reason}); the rendezvous "
+        "store listens on every interface of this host instead. Set MASTER_ADDR to an "
+        "address of rank 0's host to keep it to that interface.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` resolves to loopback addresses only (then gloo stays on loopback too)."""
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(entry[4][0]).is_loopback for entry in found)
+
+
+def tcp_url(info: LaunchInfo) -> str:
+    """``tcp://host:port`` for rank 0's store; an IPv6 address goes in brackets.
+
+    >>> tcp_url(LaunchInfo("slurm", 0, 2, 0, 1, 0, master_addr="::1", master_port=29500))
+    'tcp://[::1]:29500'
+    """
+    host = info.master_addr or ""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{info.master_port}"
+
+
+def formation_store(store: Any, rank: int) -> Any:
+    """A view of ``store`` private to this formation of the process group.
+
+    torch names every default group's keys alike, so a group formed again on
+    the same store (a second ``distributed()`` in one torchrun job, a group
+    formed after someone else's) can read the previous group's stale addresses
+    and fail to connect. Each rank counts its formations in the store itself;
+    the count, the same on every rank, prefixes the new group's keys.
+    """
+    generation = store.add(f"ddpctx/formations/rank{rank}", 1)
+    return PrefixStore(f"ddpctx/{generation}/", store)
+
+
+def destroy_group_bounded() -> None:
+    """Destroy the default group, giving up after ``DESTROY_TIMEOUT_S``.
+
+    Runs in a helper thread so that a backend stuck on a dead peer cannot hold
+    the exit path hostage; the process may then exit with the group alive.
+    Never raises: an error here must not replace the exception leaving the block.
+    """
+    failure: list[BaseException] = []
+
+    def destroy() -> None:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except BaseException as error:  # reported below, never raised
+            failure.append(error)
+
+    worker = threading.Thread(target=destroy, name="ddpctx-destroy", daemon=True)
+    worker.start()
+    worker.join(DESTROY_TIMEOUT_S)
+    if worker.is_alive():
+        warnings.warn(
+            f"destroy_process_group() did not return within {DESTROY_TIMEOUT_S:.0f} s; "
+            "leaving it behind so this process can exit.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    elif failure:
+        warnings.warn(
+            f"destroy_process_group() failed: {failure[0]!r}", RuntimeWarning, stacklevel=2
+        )

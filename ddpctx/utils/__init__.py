@@ -1,0 +1,11 @@
+"""Pure helpers: the bottom layer, which every subsystem may use.
+
+- :mod:`~ddpctx.utils.env`: read and validate the launcher's environment (no I/O).
+- :mod:`~ddpctx.utils.seeding`: seeds, worker seeds, RNG state capture and restore.
+- :mod:`~ddpctx.utils.atomic`: files and directories that appear whole or not at all.
+- :mod:`~ddpctx.utils.errors`: a rank's own failure vs. the errors it causes on others;
+  torchrun's error file.
+- :mod:`~ddpctx.utils.identity`: who this process is (the one "current context" slot).
+
+May import: nothing else of ddpctx.
+"""
