@@ -144,3 +144,16 @@ def test_the_testing_plugin_still_imports_without_a_warning() -> None:
     code = "import warnings; warnings.simplefilter('error'); import ddpctx.testing.plugin"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_module_of_the_package_counts_as_ddpctx_own_frames() -> None:
+    """Hang reports and rank tracebacks skip ddpctx's frames in every subpackage, not one."""
+    from ddpctx.hang.inflight import is_library_file
+    from ddpctx.launching import worker
+
+    modules = sorted((REPO / "ddpctx").rglob("*.py"))
+    assert len(modules) > 40
+    for module in modules:
+        path = str(module.resolve())
+        assert is_library_file(path), path
+        assert path.startswith(worker._PACKAGE), path

@@ -83,7 +83,7 @@ TRACKED = (
 DDP_BACKWARD = "DDP backward (gradient all-reduce)"
 
 _PACKAGES = (
-    str(Path(__file__).resolve().parent),
+    str(Path(__file__).resolve().parents[1]),  # the ddpctx package
     str(Path(torch.__file__).resolve().parent),
 )
 

@@ -25,6 +25,7 @@ class RankError(RuntimeError):
         secondary: ``(rank, text)`` of the errors other ranks raised afterwards.
 
     Example:
+        >>> from ddpctx import launch
         >>> from ddpctx.session.context import current
         >>> def fail():
         ...     if current().rank == 1:
@@ -63,6 +64,7 @@ class RankTimeoutError(RankError, TimeoutError):
 
     Example:
         >>> import time
+        >>> from ddpctx import launch
         >>> try:
         ...     launch(time.sleep, 30, world_size=2, timeout=1)
         ... except RankTimeoutError as error:

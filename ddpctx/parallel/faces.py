@@ -50,6 +50,7 @@ class ModelFaces:
     def unwrap(model: nn.Module) -> nn.Module:
         """The bare module inside DDP (and ``torch.compile``) wrappers.
 
+        >>> from ddpctx import DistContext
         >>> layer = torch.nn.Linear(2, 1)
         >>> DistContext.unwrap(layer) is layer
         True
