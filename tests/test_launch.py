@@ -104,6 +104,17 @@ def hang_on_rank_zero() -> None:
     dist.barrier()
 
 
+def test_a_rank_error_names_the_follow_on_transport_errors_without_native_paths() -> None:
+    with pytest.raises(RankError) as raised:
+        launch(fail_on_rank_one, world_size=2)
+    message = str(raised.value)
+    assert message.startswith("rank 1 failed: ValueError: bad shard on rank 1"), message
+    assert raised.value.secondary, "rank 0's barrier is expected to break when rank 1 leaves"
+    consequences = message.split("as a consequence:")[1]
+    assert "rank 0: RuntimeError: " in consequences
+    assert ".cc:" not in message, message  # gloo's C++ source path is not the reader's concern
+
+
 def test_a_hang_is_reported_with_every_ranks_stack() -> None:
     started = time.monotonic()
     with pytest.raises(RankTimeoutError) as raised:
@@ -116,6 +127,9 @@ def test_a_hang_is_reported_with_every_ranks_stack() -> None:
     assert "popen_fork" not in message  # frames a worker inherited from its parent are cut
     assert "in barrier" in rank1
     assert "in hang_on_rank_zero" in rank1
+    for stack in (rank0, rank1):  # the user's frame before ddpctx's own threads (the watchdog)
+        assert "watchdog.py" in stack
+        assert stack.index("in hang_on_rank_zero") < stack.index("watchdog.py")
 
 
 def test_a_rank_that_dies_is_reported() -> None:

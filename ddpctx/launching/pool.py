@@ -29,6 +29,7 @@ from ddpctx.launching.failures import (
     RankSkipped,
     RankTimeoutError,
     root_cause,
+    summary,
     worker_frames,
 )
 from ddpctx.launching.worker import Outcome, Task, read_from, worker_main
@@ -245,10 +246,7 @@ class RankPool:
         if secondary:
             message += (
                 "\n(then, as a consequence: "
-                + "; ".join(
-                    f"rank {rank}: {text.splitlines()[0] if text else '?'}"
-                    for rank, text in secondary
-                )
+                + "; ".join(f"rank {rank}: {summary(text)}" for rank, text in secondary)
                 + ")"
             )
         return RankError(

@@ -307,12 +307,16 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if isinstance(error, RankTimeoutError) or error.original is None:
         pytest.fail(str(error), pytrace=False)
     original = error.original
+    # The user's traceback comes first; the other ranks' follow-on errors (often
+    # gloo's "Connection closed by peer") last, one summarised line each.
     where = f"raised on rank {error.rank} of {world_size}"
     if error.secondary:
-        where += "; then: " + "; ".join(f"rank {r}: {summary(t)}" for r, t in error.secondary)
+        where += "; then, as a consequence: " + "; ".join(
+            f"rank {r}: {summary(t)}" for r, t in error.secondary
+        )
     if hasattr(original, "add_note"):
         original.add_note(f"({where})")
-    raise original from RemoteTraceback(f"{where}\n\n{error.remote_traceback}")
+    raise original from RemoteTraceback(f"{error.remote_traceback.rstrip()}\n\n({where})")
 
 
 def _add_output_sections(item: pytest.Item, outputs: list[tuple[str, str]]) -> None:
