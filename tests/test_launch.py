@@ -98,6 +98,36 @@ def test_a_failing_rank_stops_every_rank_within_seconds(world_size: int) -> None
     assert 'raise ValueError("bad shard on rank 1")' in error.remote_traceback
 
 
+def print_then_work_on_rank_zero_fail_on_rank_one() -> None:
+    if ddpctx.current().rank == 0:
+        for line in range(3):
+            print("rank 0 line", line, flush=True)
+        time.sleep(30)  # still busy when rank 1 fails: it never reports an outcome
+    else:
+        print("rank 1 about to fail", flush=True)
+        raise ValueError("bad shard on rank 1")
+
+
+def test_a_rank_error_keeps_the_output_of_ranks_still_running_when_another_failed() -> None:
+    with pytest.raises(RankError) as raised:
+        launch(print_then_work_on_rank_zero_fail_on_rank_one, world_size=2)
+    outputs = raised.value.outputs
+    assert outputs[0][0] == "rank 0 line 0\nrank 0 line 1\nrank 0 line 2\n", outputs
+    assert outputs[1][0] == "rank 1 about to fail\n", outputs
+
+
+def test_a_warm_pools_failure_keeps_that_tasks_output_only() -> None:
+    from ddpctx.launching.pool import RankPool
+
+    with RankPool(2) as pool:
+        pool.run(print, ("from the first task",))
+        with pytest.raises(RankError) as raised:
+            pool.run(print_then_work_on_rank_zero_fail_on_rank_one)
+    outputs = raised.value.outputs
+    assert outputs[0][0] == "rank 0 line 0\nrank 0 line 1\nrank 0 line 2\n", outputs
+    assert outputs[1][0] == "rank 1 about to fail\n", outputs
+
+
 def hang_on_rank_zero() -> None:
     if ddpctx.current().rank == 0:
         time.sleep(60)

@@ -101,6 +101,36 @@ def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_
     )
 
 
+def test_a_failure_report_shows_the_output_of_every_rank_also_those_still_running(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run(
+        pytester,
+        """
+        import time, pytest
+
+        @pytest.mark.distributed(world_size=2)
+        def test_1_warms_the_pool(dist_ctx):
+            print("from an earlier test on rank", dist_ctx.rank)
+
+        @pytest.mark.distributed(world_size=2)
+        def test_2_fails(dist_ctx):
+            if dist_ctx.rank == 0:
+                print("rank 0 was here")
+                time.sleep(30)  # still busy when rank 1 fails: it never reports
+            print("rank 1 was here")
+            assert dist_ctx.rank == 0
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    report = result.stdout.str()
+    failure = report[report.index("test_2_fails ___") :]
+    assert "Captured rank 0 stdout call" in failure, failure
+    assert failure.index("Captured rank 0 stdout call") < failure.index("rank 0 was here")
+    assert "Captured rank 1 stdout call" in failure
+    assert "from an earlier test" not in failure  # the warm pool's earlier test is not this one
+
+
 def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_error(
     pytester: pytest.Pytester,
 ) -> None:

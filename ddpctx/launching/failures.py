@@ -24,19 +24,24 @@ class RankError(RuntimeError):
         rank: the first rank that failed (None for a hang).
         original: that rank's exception, rebuilt in this process (or None).
         remote_traceback: its formatted traceback, as the rank saw it.
-        outputs: each rank's captured ``(stdout, stderr)``.
+        outputs: each rank's captured ``(stdout, stderr)`` of this task, in rank
+            order: also what ranks still running when another failed had printed.
         secondary: ``(rank, text)`` of the errors other ranks raised afterwards.
 
     Example:
         >>> from ddpctx import current, launch
         >>> def fail():
+        ...     print("shard", current().rank)
         ...     if current().rank == 1:
         ...         raise ValueError("bad shard")
         >>> try:
         ...     launch(fail, world_size=2)
         ... except RankError as error:
-        ...     print(error.rank, type(error.original).__name__)
-        1 ValueError
+        ...     print(error.rank, type(error.original).__name__, error.outputs[0][0])
+        [rank 0] shard 0
+        [rank 1] shard 1
+        1 ValueError shard 0
+        <BLANKLINE>
     """
 
     def __init__(

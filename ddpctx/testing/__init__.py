@@ -51,7 +51,8 @@ event loop in each rank.
 
 A failure is one pytest failure: the failing rank's own traceback first, then
 pytest's rewritten assertion message with the rank named, the other ranks'
-follow-on errors summarised, and each rank's output as a report section.
+follow-on errors summarised, and every rank's output as a report section
+(for ranks still running when another failed: what they had printed by then).
 
 Command-line options: the plugin adds none of its own; pytest's apply.
 
