@@ -86,6 +86,30 @@ def test_every_public_name_is_in_the_api_reference(name: str) -> None:
     )
 
 
+def extras() -> dict[str, list[str]]:
+    """setup.cfg's extras, each a list of requirement lines."""
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(REPO / "setup.cfg")
+    section = parser["options.extras_require"]
+    return {name: [r for r in section[name].splitlines() if r.strip()] for name in section}
+
+
+def test_the_docs_extra_installs_what_docs_requirements_txt_does() -> None:
+    lines = (REPO / "docs" / "requirements.txt").read_text().splitlines()
+    required = [line for line in lines if line.strip() and not line.startswith("#")]
+    assert sorted(extras()["docs"]) == sorted(required)
+    assert not any(line.startswith("torch") for line in required)  # the build reads source only
+
+
+def test_the_notebooks_extra_can_open_and_execute_the_notebooks() -> None:
+    names = {re.split(r"[<>=\[ ]", r)[0].lower() for r in extras()["notebooks"]}
+    assert {"jupyterlab", "nbconvert", "ipykernel", "matplotlib"} <= names, names
+    # the test suite re-runs them with nbclient and needs no JupyterLab
+    assert "jupyterlab" not in " ".join(extras()["test"])
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The documentation site, built with ``--strict`` in a process that cannot import torch."""
@@ -97,7 +121,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (blocker / "torch" / "__init__.py").write_text(
         "raise ImportError('building the documentation must not import torch')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(blocker), "NO_MKDOCS_2_WARNING": "1"}
+    path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NO_MKDOCS_2_WARNING": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder / "html")],
         cwd=REPO,
@@ -173,11 +198,19 @@ def pages(site: Path) -> list[Page]:
     return [Page(path) for path in sorted(site.rglob("*.html")) if path.name != "404.html"]
 
 
+@pytest.fixture(scope="module")
+def site_pages(site: Path) -> list[Page]:
+    """Every built page, parsed once for the tests that read them all."""
+    return pages(site)
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_the_site_builds_strictly_without_torch_and_has_its_pages(site: Path) -> None:
     assert "rank_zero_only" in (site / "api" / "decorators" / "index.html").read_text()
     assert "Quickstart" in (site / "index.html").read_text()  # the README is the home page
 
 
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_every_doctest_example_is_a_highlighted_code_block(site: Path) -> None:
     api = [page for page in pages(site) if "api" in page.path.parts]
     prompts = [(page.path, where) for page in api for where in page.prompts]
@@ -188,6 +221,7 @@ def test_every_doctest_example_is_a_highlighted_code_block(site: Path) -> None:
         assert "<blockquote>" not in page.path.read_text(), page.path
 
 
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_nothing_is_loaded_from_another_host(site: Path) -> None:
     external = re.compile(r"^(https?:)?//", re.IGNORECASE)
     for page in pages(site):
@@ -198,6 +232,7 @@ def test_nothing_is_loaded_from_another_host(site: Path) -> None:
         assert not re.search(r"(url\(|@import)\s*['\"]?(https?:)?//", text), sheet
 
 
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_signatures_are_wrapped_and_overloads_not_repeated(site: Path) -> None:
     signatures = [s for page in pages(site) for s in page.signatures]
     assert signatures
@@ -207,6 +242,7 @@ def test_signatures_are_wrapped_and_overloads_not_repeated(site: Path) -> None:
     assert sum(s.startswith("rank_zero_only(") for s in decorators.signatures) == 1
 
 
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_the_distcontext_attribute_table_has_one_attribute_per_row(site: Path) -> None:
     context = Page(site / "api" / "context" / "index.html")
     names = {row[0].strip() for table in context.tables for row in table if row}
@@ -215,12 +251,14 @@ def test_the_distcontext_attribute_table_has_one_attribute_per_row(site: Path) -
     assert expected <= names, sorted(names)
 
 
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 @pytest.mark.parametrize("name", [n for n in ddpctx.__all__ if n != "__version__"])
-def test_every_public_name_has_its_own_entry_on_the_site(site: Path, name: str) -> None:
-    ids = {i for page in pages(site) if "api" in page.path.parts for i in page.ids}
+def test_every_public_name_has_its_own_entry_on_the_site(site_pages: list[Page], name: str) -> None:
+    ids = {i for page in site_pages if "api" in page.path.parts for i in page.ids}
     assert any(i.endswith(f".{name}") for i in ids), f"ddpctx.{name} has no entry on the site"
 
 
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_the_plugin_page_documents_every_option_fixture_and_command_line_option(
     site: Path,
 ) -> None:
