@@ -233,7 +233,7 @@ def _agreed_port(store: Any, rank: int) -> str:
     return bytes(store.get("ddpctx/master_port")).decode()
 
 
-_PACKAGE = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # the ddpctx package, not this subpackage
 
 
 def _user_frames(error: BaseException) -> Any:
