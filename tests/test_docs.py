@@ -143,6 +143,7 @@ class Page(HTMLParser):
         self.path = path
         self.ids: set[str] = set()
         self.assets: list[str] = []  # what the browser fetches: scripts, styles, images, fonts
+        self.links: list[str] = []  # where the reader can click to
         self.prompts: list[tuple[bool, bool]] = []  # per ">>>": (in a highlighted block, styled)
         self.signatures: list[str] = []
         self.tables: list[list[list[str]]] = []
@@ -156,6 +157,8 @@ class Page(HTMLParser):
             self.ids.add(found["id"])
         if tag in ("script", "img", "iframe", "source", "video", "audio") and found.get("src"):
             self.assets.append(found["src"])
+        if tag == "a" and found.get("href"):
+            self.links.append(found["href"])
         rel = found.get("rel", "")
         if tag == "link" and rel in ("stylesheet", "preload", "icon", "manifest", "preconnect"):
             self.assets.append(found.get("href", ""))
@@ -206,7 +209,7 @@ def site_pages(site: Path) -> list[Page]:
 
 @pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_the_site_builds_strictly_without_torch_and_has_its_pages(site: Path) -> None:
-    assert "rank_zero_only" in (site / "api" / "decorators" / "index.html").read_text()
+    assert "rank_zero_only" in (site / "api" / "decorators.html").read_text()
     assert "Quickstart" in (site / "index.html").read_text()  # the README is the home page
 
 
@@ -233,18 +236,32 @@ def test_nothing_is_loaded_from_another_host(site: Path) -> None:
 
 
 @pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_the_built_site_reads_from_disk_every_link_is_a_file(site_pages: list[Page]) -> None:
+    """Opened as file:// (no server), a link to a folder shows a listing, not the page."""
+    broken = []
+    for page in site_pages:
+        for link in page.links:
+            if re.match(r"^([a-z]+:|#)", link):  # another host, mailto:, or this page
+                continue
+            target = (page.path.parent / link.split("#")[0]).resolve()
+            if not target.is_file():
+                broken.append(f"{page.path.name}: {link}")
+    assert broken == [], broken[:10]
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_signatures_are_wrapped_and_overloads_not_repeated(site: Path) -> None:
     signatures = [s for page in pages(site) for s in page.signatures]
     assert signatures
     too_long = [line for s in signatures for line in s.splitlines() if len(line) > 90]
     assert too_long == []
-    decorators = Page(site / "api" / "decorators" / "index.html")
+    decorators = Page(site / "api" / "decorators.html")
     assert sum(s.startswith("rank_zero_only(") for s in decorators.signatures) == 1
 
 
 @pytest.mark.slow  # builds the site: ~6 s alone, more under load
 def test_the_distcontext_attribute_table_has_one_attribute_per_row(site: Path) -> None:
-    context = Page(site / "api" / "context" / "index.html")
+    context = Page(site / "api" / "context.html")
     names = {row[0].strip() for table in context.tables for row in table if row}
     expected = {"rank", "world_size", "local_rank", "local_world_size", "node_rank", "device"}
     expected |= {"backend", "launcher", "seed", "is_main", "is_local_main", "restart_count"}
@@ -264,8 +281,8 @@ def test_the_plugin_page_documents_every_option_fixture_and_command_line_option(
 ) -> None:
     from ddpctx.testing import options, plugin
 
-    page = Page(site / "api" / "testing" / "index.html")
-    text = (site / "api" / "testing" / "index.html").read_text()
+    page = Page(site / "api" / "testing.html")
+    text = (site / "api" / "testing.html").read_text()
     for option in options.OPTIONS:
         assert f"<code>{option}</code>" in text, f"marker option {option} is not documented"
     for fixture in fixtures_of(Path(plugin.__file__)):
