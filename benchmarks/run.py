@@ -416,7 +416,7 @@ def plot(per_size: Samples, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and sizes (< 3 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, sizes (3-4 min)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--write", action="store_true", help="regenerate BENCHMARKS.md")
     args = parser.parse_args()

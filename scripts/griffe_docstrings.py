@@ -1,12 +1,20 @@
 """A Griffe extension for the API reference: ddpctx's docstrings, read as Markdown.
 
-The docstrings are written for ``help()`` and doctest: examples often stand
-alone (``>>>`` lines outside an ``Example:`` section) and cross-references use
-reStructuredText roles (``:func:`launch```). Markdown would run a doctest's
-lines into one paragraph and show the roles raw, so, for the site only, this
-extension fences stand-alone doctests as ``pycon`` code, turns roles into
-code spans and drops reST's ``::`` literal-block markers. The docstrings
-themselves stay as they are.
+The docstrings are written for ``help()`` and doctest: examples sit under
+``Example:`` or stand alone (``>>>`` lines in the text), code is shown with
+reStructuredText's ``::`` literal blocks, and cross-references use roles
+(``:func:`launch```). Markdown would turn a doctest's ``>>>`` into nested
+block quotes and run its lines into one paragraph, and show the roles raw.
+So, for the site only, this extension
+
+- renames ``Example:`` sections to Google style's ``Examples:``, which Griffe
+  splits into prose and doctests and mkdocstrings renders as ``pycon`` code;
+- fences stand-alone doctests as ``pycon`` code and ``::`` literal blocks as
+  ``python`` code (both highlighted by Pygments at build time);
+- turns roles into code spans.
+
+The docstrings themselves stay as they are. Griffe reads the source
+statically: building the site imports neither ddpctx nor torch.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import Any
 import griffe
 
 ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc|obj):`(~?)([^`]+)`")
-SECTION = re.compile(r"^(Example|Examples)\s*:\s*$")
+SECTION = re.compile(r"^(\s*)(Example|Examples)\s*:\s*$")
 
 
 def _role(match: re.Match[str]) -> str:
@@ -25,8 +33,12 @@ def _role(match: re.Match[str]) -> str:
     return f"`{target.rsplit('.', 1)[-1] if match.group(1) else target}`"
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
 def markdown_docstring(text: str) -> str:
-    r"""``text`` with stand-alone doctests fenced and reST roles as code spans.
+    r"""``text`` with doctests and literal blocks fenced, and reST roles as code spans.
 
     >>> doctest = ">" * 3 + " 1 + 1\n2"
     >>> text = markdown_docstring(f"Sums.\n\n{doctest}\n\nSee :func:`~ddpctx.launch`.")
@@ -34,8 +46,12 @@ def markdown_docstring(text: str) -> str:
     ['```pycon', '>>> 1 + 1', '2', '```']
     >>> text.splitlines()[-1]
     'See `launch`.'
+    >>> markdown_docstring("Like this::\n\n    f(x)\n\nDone.").splitlines()
+    ['Like this:', '', '```python', 'f(x)', '```', '', 'Done.']
+    >>> markdown_docstring("Example:\n    " + doctest).splitlines()[0]
+    'Examples:'
     """
-    lines, out = text.splitlines(), []
+    lines, out = fence_literal_blocks(text.splitlines()), []
     in_section = in_doctest = in_fence = False
     for line in lines:
         stripped = line.strip()
@@ -44,21 +60,53 @@ def markdown_docstring(text: str) -> str:
         if in_doctest and not stripped:
             out.append("```")
             in_doctest = False
-        if SECTION.match(line):
+        section = SECTION.match(line)
+        if section and not in_fence:
             in_section = True
+            line = f"{section.group(1)}Examples:"
         elif in_section and stripped and not line.startswith((" ", "\t")):
             in_section = False
         if not (in_section or in_doctest or in_fence) and stripped.startswith(">>>"):
             out.append("```pycon")
             in_doctest = True
-        if not in_doctest:
+        if not (in_doctest or in_fence):
             line = ROLE.sub(_role, line)
-            if line.endswith("::") and not in_fence:  # reST's literal-block marker
-                line = line[:-1]
         out.append(line)
     if in_doctest:
         out.append("```")
     return "\n".join(out)
+
+
+def fence_literal_blocks(lines: list[str]) -> list[str]:
+    """reST's ``text::`` + an indented block, as ``text:`` + a fenced ``python`` block.
+
+    >>> fence_literal_blocks(["Use it::", "", "    f(x)", "    g(x)", "", "Then."])
+    ['Use it:', '', '```python', 'f(x)', 'g(x)', '```', '', 'Then.']
+    """
+    out: list[str] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        index += 1
+        if not line.rstrip().endswith("::") or line.strip().startswith((">>>", "```")):
+            out.append(line)
+            continue
+        margin = " " * _indent(line)
+        block: list[str] = []
+        while index < len(lines) and (
+            not lines[index].strip() or _indent(lines[index]) > len(margin)
+        ):
+            block.append(lines[index])
+            index += 1
+        code = "\n".join(block).strip("\n").splitlines()
+        if not code:  # "::" with no block after it: just the colon
+            out.append(line.rstrip()[:-1])
+            continue
+        cut = min(_indent(c) for c in code if c.strip())
+        out.extend([line.rstrip()[:-1], "", margin + "```python"])
+        out.extend(margin + c[cut:] if c.strip() else "" for c in code)
+        out.extend([margin + "```", ""] if index < len(lines) else [margin + "```"])
+    return out
 
 
 class MarkdownDocstrings(griffe.Extension):

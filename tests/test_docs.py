@@ -8,10 +8,13 @@ reference covers every public name.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -83,19 +86,242 @@ def test_every_public_name_is_in_the_api_reference(name: str) -> None:
     )
 
 
-def test_the_documentation_site_builds_strictly(tmp_path: Path) -> None:
-    pytest.importorskip("mkdocstrings", reason='the docs extra: pip install -e ".[docs]"')
-    site = tmp_path / "site"
+def extras() -> dict[str, list[str]]:
+    """setup.cfg's extras, each a list of requirement lines."""
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(REPO / "setup.cfg")
+    section = parser["options.extras_require"]
+    return {name: [r for r in section[name].splitlines() if r.strip()] for name in section}
+
+
+def test_the_docs_extra_installs_what_docs_requirements_txt_does() -> None:
+    lines = (REPO / "docs" / "requirements.txt").read_text().splitlines()
+    required = [line for line in lines if line.strip() and not line.startswith("#")]
+    assert sorted(extras()["docs"]) == sorted(required)
+    assert not any(line.startswith("torch") for line in required)  # the build reads source only
+
+
+def test_the_notebooks_extra_can_open_and_execute_the_notebooks() -> None:
+    names = {re.split(r"[<>=\[ ]", r)[0].lower() for r in extras()["notebooks"]}
+    assert {"jupyterlab", "nbconvert", "ipykernel", "matplotlib"} <= names, names
+    # the test suite re-runs them with nbclient and needs no JupyterLab
+    assert "jupyterlab" not in " ".join(extras()["test"])
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site, built with ``--strict`` in a process that cannot import torch."""
+    for package in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+        pytest.importorskip(package, reason="pip install -r docs/requirements.txt")
+    folder = tmp_path_factory.mktemp("site")
+    blocker = folder / "no-torch"
+    (blocker / "torch").mkdir(parents=True)
+    (blocker / "torch" / "__init__.py").write_text(
+        "raise ImportError('building the documentation must not import torch')\n"
+    )
+    path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NO_MKDOCS_2_WARNING": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder / "html")],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank_zero_only" in (site / "api" / "decorators" / "index.html").read_text()
+    return folder / "html"
+
+
+class Page(HTMLParser):
+    """One built page as a reader meets it: its text, where each piece of text sits, its ids."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.ids: set[str] = set()
+        self.assets: list[str] = []  # what the browser fetches: scripts, styles, images, fonts
+        self.links: list[str] = []  # where the reader can click to
+        self.prompts: list[tuple[bool, bool]] = []  # per ">>>": (in a highlighted block, styled)
+        self.signatures: list[str] = []
+        self.tables: list[list[list[str]]] = []
+        self._open: list[tuple[str, str]] = []  # (tag, class) of the enclosing elements
+        self._signature: list[str] | None = None
+        self.feed(path.read_text())
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = {name: value or "" for name, value in attrs}
+        if "id" in found:
+            self.ids.add(found["id"])
+        if tag in ("script", "img", "iframe", "source", "video", "audio") and found.get("src"):
+            self.assets.append(found["src"])
+        if tag == "a" and found.get("href"):
+            self.links.append(found["href"])
+        rel = found.get("rel", "")
+        if tag == "link" and rel in ("stylesheet", "preload", "icon", "manifest", "preconnect"):
+            self.assets.append(found.get("href", ""))
+        classes = found.get("class", "")
+        if tag == "div" and "doc-signature" in classes.split():
+            self._signature = []
+        if tag == "table":
+            self.tables.append([])
+        if tag == "tr" and self.tables:
+            self.tables[-1].append([])
+        if tag == "td" and self.tables and self.tables[-1]:
+            self.tables[-1][-1].append("")
+        if tag not in ("br", "hr", "img", "input", "link", "meta", "source"):
+            self._open.append((tag, classes))
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._open:
+            opened, _ = self._open.pop()
+            if opened == tag:
+                break
+        if tag == "div" and self._signature is not None and not self._inside("doc-signature"):
+            self.signatures.append("".join(self._signature))
+            self._signature = None
+
+    def _inside(self, css_class: str, tag: str = "div") -> bool:
+        return any(t == tag and css_class in c.split() for t, c in self._open)
+
+    def handle_data(self, data: str) -> None:
+        if self._signature is not None:
+            self._signature.append(data)
+        in_cell = any(tag == "td" for tag, _ in self._open)
+        if in_cell and self.tables and self.tables[-1] and self.tables[-1][-1]:
+            self.tables[-1][-1][-1] += data
+        for _ in range(data.count(">>>")):
+            styled = bool(self._open) and "gp" in self._open[-1][1].split()
+            self.prompts.append((self._inside("highlight"), styled))
+
+
+def pages(site: Path) -> list[Page]:
+    return [Page(path) for path in sorted(site.rglob("*.html")) if path.name != "404.html"]
+
+
+@pytest.fixture(scope="module")
+def site_pages(site: Path) -> list[Page]:
+    """Every built page, parsed once for the tests that read them all."""
+    return pages(site)
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_the_site_builds_strictly_without_torch_and_has_its_pages(site: Path) -> None:
+    assert "rank_zero_only" in (site / "api" / "decorators.html").read_text()
     assert "Quickstart" in (site / "index.html").read_text()  # the README is the home page
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_every_doctest_example_is_a_highlighted_code_block(site: Path) -> None:
+    api = [page for page in pages(site) if "api" in page.path.parts]
+    prompts = [(page.path, where) for page in api for where in page.prompts]
+    assert len(prompts) >= 15, "the API pages are expected to show the docstrings' examples"
+    misplaced = [str(path) for path, (in_block, styled) in prompts if not (in_block and styled)]
+    assert misplaced == [], f"'>>>' outside a highlighted code block on {sorted(set(misplaced))}"
+    for page in api:
+        assert "<blockquote>" not in page.path.read_text(), page.path
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_nothing_is_loaded_from_another_host(site: Path) -> None:
+    external = re.compile(r"^(https?:)?//", re.IGNORECASE)
+    for page in pages(site):
+        assert [a for a in page.assets if external.match(a)] == [], page.path
+        assert 'class="mermaid"' not in page.path.read_text()  # Material fetches mermaid.js
+    for sheet in site.rglob("*.css"):
+        text = sheet.read_text()
+        assert not re.search(r"(url\(|@import)\s*['\"]?(https?:)?//", text), sheet
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_the_built_site_reads_from_disk_every_link_is_a_file(site_pages: list[Page]) -> None:
+    """Opened as file:// (no server), a link to a folder shows a listing, not the page."""
+    broken = []
+    for page in site_pages:
+        for link in page.links:
+            if re.match(r"^([a-z]+:|#)", link):  # another host, mailto:, or this page
+                continue
+            target = (page.path.parent / link.split("#")[0]).resolve()
+            if not target.is_file():
+                broken.append(f"{page.path.name}: {link}")
+    assert broken == [], broken[:10]
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_signatures_are_wrapped_and_overloads_not_repeated(site: Path) -> None:
+    signatures = [s for page in pages(site) for s in page.signatures]
+    assert signatures
+    too_long = [line for s in signatures for line in s.splitlines() if len(line) > 90]
+    assert too_long == []
+    decorators = Page(site / "api" / "decorators.html")
+    assert sum(s.startswith("rank_zero_only(") for s in decorators.signatures) == 1
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_the_distcontext_attribute_table_has_one_attribute_per_row(site: Path) -> None:
+    context = Page(site / "api" / "context.html")
+    names = {row[0].strip() for table in context.tables for row in table if row}
+    expected = {"rank", "world_size", "local_rank", "local_world_size", "node_rank", "device"}
+    expected |= {"backend", "launcher", "seed", "is_main", "is_local_main", "restart_count"}
+    assert expected <= names, sorted(names)
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+@pytest.mark.parametrize("name", [n for n in ddpctx.__all__ if n != "__version__"])
+def test_every_public_name_has_its_own_entry_on_the_site(site_pages: list[Page], name: str) -> None:
+    ids = {i for page in site_pages if "api" in page.path.parts for i in page.ids}
+    assert any(i.endswith(f".{name}") for i in ids), f"ddpctx.{name} has no entry on the site"
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_the_plugin_page_documents_every_option_fixture_and_command_line_option(
+    site: Path,
+) -> None:
+    from ddpctx.testing import options, plugin
+
+    page = Page(site / "api" / "testing.html")
+    text = (site / "api" / "testing.html").read_text()
+    for option in options.OPTIONS:
+        assert f"<code>{option}</code>" in text, f"marker option {option} is not documented"
+    for fixture in fixtures_of(Path(plugin.__file__)):
+        assert f"ddpctx.testing.plugin.{fixture}" in page.ids, f"fixture {fixture}"
+    for flag in [*command_line_options(plugin), "-s", "-rP", "--timeout", "-n"]:
+        assert f"<code>{flag}" in text, f"command-line option {flag} is not documented"
+
+
+def fixtures_of(source: Path) -> list[str]:
+    """Functions decorated with ``@pytest.fixture`` in a module, read statically."""
+    found = []
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            for decorator in node.decorator_list:
+                target = decorator.func if isinstance(decorator, ast.Call) else decorator
+                if ast.unparse(target) in ("pytest.fixture", "fixture"):
+                    found.append(node.name)
+    assert found, f"no fixtures found in {source}"
+    return found
+
+
+def command_line_options(plugin: object) -> list[str]:
+    """The options the plugin's ``pytest_addoption`` adds (none today)."""
+    added: list[str] = []
+
+    class Recorder:
+        def addoption(self, *names: str, **_: object) -> None:
+            added.extend(names)
+
+        def getgroup(self, *_: object, **__: object) -> Recorder:
+            return self
+
+        def addini(self, name: str, *_: object, **__: object) -> None:
+            added.append(name)
+
+    hook = getattr(plugin, "pytest_addoption", None)
+    if hook is not None:
+        hook(Recorder())
+    return added
 
 
 def test_stand_alone_doctests_become_code_blocks_on_the_site() -> None:
@@ -118,4 +344,29 @@ def test_stand_alone_doctests_become_code_blocks_on_the_site() -> None:
         "```",
         "",
         "See `DistContext`.",
+    ]
+
+
+def test_literal_blocks_and_example_sections_become_code_on_the_site() -> None:
+    pytest.importorskip("griffe", reason="pip install -r docs/requirements.txt")
+    spec = importlib.util.spec_from_file_location(
+        "griffe_docstrings", REPO / "scripts" / "griffe_docstrings.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    literal = "Use it in a test::\n\n    def test_x(dist_ctx):\n        pass\n\n"
+    text = literal + "Example:\n    >>> 1\n    1"
+    assert module.markdown_docstring(text).splitlines() == [
+        "Use it in a test:",
+        "",
+        "```python",
+        "def test_x(dist_ctx):",
+        "    pass",
+        "```",
+        "",
+        "Examples:",  # Google style's name: Griffe renders its doctests as code
+        "    >>> 1",
+        "    1",
     ]

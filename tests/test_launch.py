@@ -98,10 +98,51 @@ def test_a_failing_rank_stops_every_rank_within_seconds(world_size: int) -> None
     assert 'raise ValueError("bad shard on rank 1")' in error.remote_traceback
 
 
+def print_then_work_on_rank_zero_fail_on_rank_one() -> None:
+    if ddpctx.current().rank == 0:
+        for line in range(3):
+            print("rank 0 line", line, flush=True)
+        time.sleep(30)  # still busy when rank 1 fails: it never reports an outcome
+    else:
+        print("rank 1 about to fail", flush=True)
+        raise ValueError("bad shard on rank 1")
+
+
+def test_a_rank_error_keeps_the_output_of_ranks_still_running_when_another_failed() -> None:
+    with pytest.raises(RankError) as raised:
+        launch(print_then_work_on_rank_zero_fail_on_rank_one, world_size=2)
+    outputs = raised.value.outputs
+    assert outputs[0][0] == "rank 0 line 0\nrank 0 line 1\nrank 0 line 2\n", outputs
+    assert outputs[1][0] == "rank 1 about to fail\n", outputs
+
+
+def test_a_warm_pools_failure_keeps_that_tasks_output_only() -> None:
+    from ddpctx.launching.pool import RankPool
+
+    with RankPool(2) as pool:
+        pool.run(print, ("from the first task",))
+        with pytest.raises(RankError) as raised:
+            pool.run(print_then_work_on_rank_zero_fail_on_rank_one)
+    outputs = raised.value.outputs
+    assert outputs[0][0] == "rank 0 line 0\nrank 0 line 1\nrank 0 line 2\n", outputs
+    assert outputs[1][0] == "rank 1 about to fail\n", outputs
+
+
 def hang_on_rank_zero() -> None:
     if ddpctx.current().rank == 0:
         time.sleep(60)
     dist.barrier()
+
+
+def test_a_rank_error_names_the_follow_on_transport_errors_without_native_paths() -> None:
+    with pytest.raises(RankError) as raised:
+        launch(fail_on_rank_one, world_size=2)
+    message = str(raised.value)
+    assert message.startswith("rank 1 failed: ValueError: bad shard on rank 1"), message
+    assert raised.value.secondary, "rank 0's barrier is expected to break when rank 1 leaves"
+    consequences = message.split("as a consequence:")[1]
+    assert "rank 0: RuntimeError: " in consequences
+    assert ".cc:" not in message, message  # gloo's C++ source path is not the reader's concern
 
 
 def test_a_hang_is_reported_with_every_ranks_stack() -> None:
@@ -116,6 +157,9 @@ def test_a_hang_is_reported_with_every_ranks_stack() -> None:
     assert "popen_fork" not in message  # frames a worker inherited from its parent are cut
     assert "in barrier" in rank1
     assert "in hang_on_rank_zero" in rank1
+    for stack in (rank0, rank1):  # the user's frame before ddpctx's own threads (the watchdog)
+        assert "watchdog.py" in stack
+        assert stack.index("in hang_on_rank_zero") < stack.index("watchdog.py")
 
 
 def test_a_rank_that_dies_is_reported() -> None:

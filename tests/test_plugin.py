@@ -89,9 +89,9 @@ def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_
     result.stdout.no_fnmatch_line("*launcher.py*")  # no library frames in the report
     result.stdout.fnmatch_lines(
         [
-            "*raised on rank 1 of 2*",
             "*test_inner.py*, in test_fails",  # the rank's traceback starts at the test
             "AssertionError: assert 1 == 0",
+            "*raised on rank 1 of 2*",
             "E *assert 1 == 0",  # pytest's own rewritten message, original type
             "*Captured rank 0 stdout call*",
             "hello from rank 0",
@@ -99,6 +99,60 @@ def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_
             "hello from rank 1",
         ]
     )
+
+
+def test_a_failure_report_shows_the_output_of_every_rank_also_those_still_running(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run(
+        pytester,
+        """
+        import time, pytest
+
+        @pytest.mark.distributed(world_size=2)
+        def test_1_warms_the_pool(dist_ctx):
+            print("from an earlier test on rank", dist_ctx.rank)
+
+        @pytest.mark.distributed(world_size=2)
+        def test_2_fails(dist_ctx):
+            if dist_ctx.rank == 0:
+                print("rank 0 was here")
+                time.sleep(30)  # still busy when rank 1 fails: it never reports
+            print("rank 1 was here")
+            assert dist_ctx.rank == 0
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    report = result.stdout.str()
+    failure = report[report.index("test_2_fails ___") :]
+    assert "Captured rank 0 stdout call" in failure, failure
+    assert failure.index("Captured rank 0 stdout call") < failure.index("rank 0 was here")
+    assert "Captured rank 1 stdout call" in failure
+    assert "from an earlier test" not in failure  # the warm pool's earlier test is not this one
+
+
+def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_error(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run(
+        pytester,
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.distributed(world_size=2)
+        def test_fails(dist_ctx):
+            if dist_ctx.rank == 1:
+                raise KeyError("shard 7")
+            dist.barrier()  # rank 0's barrier breaks when rank 1 leaves: a follow-on error
+        """,
+    )
+    result.assert_outcomes(failed=1)
+    report = result.stdout.str()
+    failure = report[report.index("test_fails ___") :]
+    body = [line for line in failure.splitlines()[1:] if line.strip()]
+    assert "Traceback (most recent call last)" in body[0], failure  # the rank's own traceback
+    assert failure.index("KeyError: 'shard 7'") < failure.index("as a consequence: rank 0")
+    assert ".cc:" not in failure  # gloo's C++ source path is not what the reader needs
 
 
 def test_a_hang_fails_that_test_with_every_ranks_stack_and_the_session_goes_on(

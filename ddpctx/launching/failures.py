@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from ddpctx.launching.worker import Outcome
 from ddpctx.utils.errors import is_follow_on
 
@@ -21,20 +24,24 @@ class RankError(RuntimeError):
         rank: the first rank that failed (None for a hang).
         original: that rank's exception, rebuilt in this process (or None).
         remote_traceback: its formatted traceback, as the rank saw it.
-        outputs: each rank's captured ``(stdout, stderr)``.
+        outputs: each rank's captured ``(stdout, stderr)`` of this task, in rank
+            order: also what ranks still running when another failed had printed.
         secondary: ``(rank, text)`` of the errors other ranks raised afterwards.
 
     Example:
-        >>> from ddpctx import launch
-        >>> from ddpctx.session.context import current
+        >>> from ddpctx import current, launch
         >>> def fail():
+        ...     print("shard", current().rank)
         ...     if current().rank == 1:
         ...         raise ValueError("bad shard")
         >>> try:
         ...     launch(fail, world_size=2)
         ... except RankError as error:
-        ...     print(error.rank, type(error.original).__name__)
-        1 ValueError
+        ...     print(error.rank, type(error.original).__name__, error.outputs[0][0])
+        [rank 0] shard 0
+        [rank 1] shard 1
+        1 ValueError shard 0
+        <BLANKLINE>
     """
 
     def __init__(
@@ -93,15 +100,84 @@ def root_cause(outcomes: dict[int, Outcome]) -> Outcome | None:
 
 
 def worker_frames(dump: str) -> str:
-    """A faulthandler dump without the frames a forked worker inherited from its parent."""
-    lines = dump.strip().splitlines()
-    for index, line in enumerate(lines):
-        if line.rstrip().endswith(" in worker_main"):
-            return "\n".join(lines[: index + 1])
-    return "\n".join(lines)
+    r"""A faulthandler dump as the user reads it: their thread first, ddpctx's own threads last.
+
+    faulthandler lists the newest thread first, so ddpctx's watchdog would
+    come before the frame the user is looking for. The main thread (the one
+    running the task) is put first and cut below ``worker_main`` (the frames a
+    forked worker inherited from its parent); then threads the user's code
+    started; then threads that ddpctx itself runs.
+
+    >>> dump = (
+    ...     "Thread 0x2 (most recent call first):\n"
+    ...     '  File "/site/ddpctx/hang/watchdog.py", line 167 in _run\n'
+    ...     '  File "/lib/threading.py", line 1002 in _bootstrap\n'
+    ...     "\n"
+    ...     "Current thread 0x1 (most recent call first):\n"
+    ...     '  File "/home/me/train.py", line 4 in body\n'
+    ...     '  File "/site/ddpctx/launching/worker.py", line 125 in worker_main\n'
+    ...     '  File "/lib/multiprocessing/popen_fork.py", line 71 in _launch\n'
+    ... )
+    >>> print(worker_frames(dump))
+    Current thread 0x1 (most recent call first):
+      File "/home/me/train.py", line 4 in body
+      File "/site/ddpctx/launching/worker.py", line 125 in worker_main
+    <BLANKLINE>
+    Thread 0x2 (most recent call first):
+      File "/site/ddpctx/hang/watchdog.py", line 167 in _run
+      File "/lib/threading.py", line 1002 in _bootstrap
+    """
+    threads: list[list[str]] = []
+    for line in dump.strip().splitlines():
+        if THREAD_HEADER.match(line) or not threads:
+            threads.append([])
+        if line.strip():
+            threads[-1].append(line)
+    main: list[list[str]] = []
+    for thread in threads:
+        for index, line in enumerate(thread):
+            if line.rstrip().endswith(" in worker_main"):
+                del thread[index + 1 :]
+                main.append(thread)
+                break
+    others = [thread for thread in threads if not any(thread is m for m in main)]
+    others.sort(key=_started_by_ddpctx)  # stable: faulthandler's order within each kind
+    return "\n\n".join("\n".join(thread) for thread in main + others)
+
+
+#: The first line of each thread in a faulthandler dump.
+THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ ")
+#: The folder of the ddpctx package, as it appears in stack frames.
+PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+def _started_by_ddpctx(thread: list[str]) -> bool:
+    """Whether the thread's outermost frame outside ``threading.py`` is ddpctx's own code."""
+    files = [FRAME_FILE.findall(line) for line in thread]
+    ours = [f[0] for f in files if f and not f[0].endswith("threading.py")]
+    return bool(ours) and ours[-1].startswith(PACKAGE_DIR)
+
+
+FRAME_FILE = re.compile(r'^\s*File "([^"]+)"')
 
 
 def summary(text: str, limit: int = 120) -> str:
-    """The first line of an error text, cut to ``limit`` characters."""
+    """The first line of an error text, without native source paths, cut to ``limit`` characters.
+
+    gloo and c10d open their messages with the C++ file they came from; a
+    transport error caused by another rank's failure is cut after the
+    sentence that names what happened.
+
+    >>> summary("RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] "
+    ...         "Connection closed by peer [127.0.0.1]:5. This is typically caused by ...")
+    'RuntimeError: Connection closed by peer [127.0.0.1]:5'
+    """
     line = text.splitlines()[0] if text else "?"
+    line = NATIVE_LOCATION.sub("", line)
+    if is_follow_on(line):
+        line = line.split(". ")[0]
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+#: The C++ source location gloo and c10d put before a message: ``[/path/to/pair.cc:553] ``.
+NATIVE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cxx|c|h|hpp):\d+\] ")

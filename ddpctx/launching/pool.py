@@ -29,6 +29,7 @@ from ddpctx.launching.failures import (
     RankSkipped,
     RankTimeoutError,
     root_cause,
+    summary,
     worker_frames,
 )
 from ddpctx.launching.worker import Outcome, Task, read_from, worker_main
@@ -71,6 +72,8 @@ class RankPool:
         self._first = first
         #: Each rank's captured ``(stdout, stderr)`` of the last task that succeeded.
         self.last_outputs: list[tuple[str, str]] = []
+        #: Where the current task's output starts in each rank's ``(stdout, stderr)`` file.
+        self._task_offsets = [(0, 0)] * world_size
         if first is not None:  # handed to the workers at fork time, as task 1
             first.store = self._store(1)
         context = multiprocessing.get_context("fork")
@@ -135,8 +138,12 @@ class RankPool:
             check_timeout(timeout, f"timeout={timeout!r}")
         self._tasks += 1
         if self._first is not None:  # handed over at fork time: nothing to send
-            self._first = None
+            self._first = None  # (its output starts at the start of the files)
         else:
+            self._task_offsets = [
+                (_size(self._directory / f"rank{r}.out"), _size(self._directory / f"rank{r}.err"))
+                for r in range(self.world_size)
+            ]
             task = Task(
                 fn,
                 tuple(args),
@@ -221,19 +228,28 @@ class RankPool:
         return Outcome(rank, "error", error_text=f"RuntimeError: rank {rank} {how}")
 
     def _outputs(self) -> list[tuple[str, str]]:
-        return [
-            (
-                read_from(self._directory / f"rank{rank}.out", 0),
-                read_from(self._directory / f"rank{rank}.err", 0),
-            )
-            for rank in range(self.world_size)
-        ]
+        """Each rank's ``(stdout, stderr)`` of the current task so far, read from its files.
+
+        Also for ranks that have not reported (still running when another
+        failed, or killed): what they printed is kept, not only the failing
+        rank's output.
+        """
+        outputs = []
+        for rank, (out_start, err_start) in enumerate(self._task_offsets):
+            texts = []
+            for path, start in (
+                (self._directory / f"rank{rank}.out", out_start),
+                (self._directory / f"rank{rank}.err", err_start),
+            ):
+                try:
+                    texts.append(read_from(path, start))
+                except OSError:  # a rank that died before it opened its files
+                    texts.append("")
+            outputs.append((texts[0], texts[1]))
+        return outputs
 
     def _failure(self, first: Outcome, outcomes: dict[int, Outcome]) -> RankError:
-        outputs = [
-            (o.stdout, o.stderr) if (o := outcomes.get(rank)) else ("", "")
-            for rank in range(self.world_size)
-        ]
+        outputs = self._outputs()
         secondary = [
             (o.rank, o.error_text)
             for o in sorted(outcomes.values(), key=lambda o: o.rank)
@@ -245,10 +261,7 @@ class RankPool:
         if secondary:
             message += (
                 "\n(then, as a consequence: "
-                + "; ".join(
-                    f"rank {rank}: {text.splitlines()[0] if text else '?'}"
-                    for rank, text in secondary
-                )
+                + "; ".join(f"rank {rank}: {summary(text)}" for rank, text in secondary)
                 + ")"
             )
         return RankError(

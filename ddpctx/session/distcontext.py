@@ -39,14 +39,20 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
     Made by :func:`distributed`; read its attributes, don't build one yourself.
 
     Attributes:
-        rank, world_size: global rank and number of processes.
-        local_rank, local_world_size, node_rank: the same within this node.
-        device: ``cuda:<local_rank>`` or ``cpu``; ``backend``: ``nccl``, ``gloo``, ...
-        launcher: ``"torchrun"``, ``"slurm"``, ``"mpi"``, ``"launch"`` (``ddpctx.launch``
-            and the pytest plugin) or ``"single"``.
-        seed: this rank's effective seed (``seed + rank``) or None.
-        is_main, is_local_main: rank 0 globally / on this node.
-        restart_count: how often an elastic launcher restarted the job.
+        rank (int): global rank, from 0 to ``world_size - 1``.
+        world_size (int): number of processes in the run.
+        local_rank (int): rank within this node.
+        local_world_size (int): number of processes on this node.
+        node_rank (int): index of this node.
+        device (torch.device): ``cuda:<local_rank>`` or ``cpu``.
+        backend (str): ``"nccl"``, ``"gloo"``, ...
+        launcher (str): ``"torchrun"``, ``"slurm"``, ``"mpi"``, ``"launch"``
+            (``ddpctx.launch`` and the pytest plugin) or ``"single"``.
+        seed (int | None): this rank's effective seed (``seed + rank``) or None.
+        base_seed (int | None): the ``seed`` given to ``distributed()``, the same on every rank.
+        is_main (bool): rank 0 of the run.
+        is_local_main (bool): local rank 0 of this node.
+        restart_count (int): how often an elastic launcher restarted the job.
 
     Example:
         >>> from ddpctx import distributed

@@ -156,13 +156,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def dist_world_size(request: pytest.FixtureRequest) -> int:
-    """The world size this test runs with (one value per size for a list of sizes).
+    """The world size this test runs with, in a test marked ``@pytest.mark.distributed``.
 
-    Fixtures can depend on it, e.g. to size data per rank::
+    With a list of sizes, one value per generated test. Other fixtures can
+    depend on it, e.g. to size data per rank::
 
         @pytest.fixture
         def shards(dist_world_size):
             return list(range(dist_world_size))
+
+        @pytest.mark.distributed(world_size=[1, 2])
+        def test_shards(dist_ctx, dist_world_size, shards):
+            assert len(shards) == dist_world_size == dist_ctx.world_size
     """
     options = _marker_options(request.node)
     if options is None:
@@ -178,8 +183,13 @@ def dist_world_size(request: pytest.FixtureRequest) -> int:
 def dist_ctx(request: pytest.FixtureRequest) -> Any:
     """The rank's :class:`~ddpctx.DistContext`, in a test marked ``@pytest.mark.distributed``.
 
-    (In the pytest process itself this is a placeholder; each rank receives
-    its own context. With ``init=False`` it is None: there is no context.)
+    Each rank receives its own context (in the pytest process itself this is
+    a placeholder). With ``init=False`` it is None: there is no context.
+    Using it in a test without the marker is a usage error. Example::
+
+        @pytest.mark.distributed(world_size=2)
+        def test_ranks(dist_ctx):
+            assert dist_ctx.all_gather(dist_ctx.rank) == [0, 1]
     """
     if request.node.get_closest_marker(MARKER) is None:
         raise pytest.UsageError(
@@ -193,8 +203,16 @@ def dist_ctx(request: pytest.FixtureRequest) -> Any:
 def run_distributed(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
     """``run_distributed(fn, *args, world_size=2, timeout=60, **kwargs)`` -> per-rank results.
 
-    ``fn`` runs on every rank inside ``distributed()``; a failure raises
-    :class:`ddpctx.RankError` naming the rank, chained from its exception.
+    ``fn(*args, **kwargs)`` runs on every rank inside ``distributed()``, on
+    the session's warm rank pool; the results come back in rank order.
+    ``world_size`` is the number of ranks, ``timeout`` the seconds before the
+    ranks' stacks are reported and the call fails. ``fn`` may be a lambda or
+    a closure. A failure raises :class:`ddpctx.RankError` naming the rank,
+    chained from its exception. Example::
+
+        def test_each_rank_returns(run_distributed):
+            ranks = run_distributed(lambda: ddpctx.current().rank, world_size=3)
+            assert ranks == [0, 1, 2]
     """
     pools = request.config.stash[_pools_key]
 
@@ -307,12 +325,16 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if isinstance(error, RankTimeoutError) or error.original is None:
         pytest.fail(str(error), pytrace=False)
     original = error.original
+    # The user's traceback comes first; the other ranks' follow-on errors (often
+    # gloo's "Connection closed by peer") last, one summarised line each.
     where = f"raised on rank {error.rank} of {world_size}"
     if error.secondary:
-        where += "; then: " + "; ".join(f"rank {r}: {summary(t)}" for r, t in error.secondary)
+        where += "; then, as a consequence: " + "; ".join(
+            f"rank {r}: {summary(t)}" for r, t in error.secondary
+        )
     if hasattr(original, "add_note"):
         original.add_note(f"({where})")
-    raise original from RemoteTraceback(f"{where}\n\n{error.remote_traceback}")
+    raise original from RemoteTraceback(f"{error.remote_traceback.rstrip()}\n\n({where})")
 
 
 def _add_output_sections(item: pytest.Item, outputs: list[tuple[str, str]]) -> None:
