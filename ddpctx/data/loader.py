@@ -4,8 +4,10 @@
 ``len`` works) that adds three things to iteration:
 
 - **Batches on the device.** Every tensor inside the batch (tuples, lists,
-  dicts, namedtuples, dataclasses) is moved to ``device``, ``non_blocking``
-  when pinned memory makes that safe; other leaves are left alone.
+  dicts and other mappings, namedtuples, dataclasses) is moved to ``device``,
+  ``non_blocking`` when pinned memory makes that safe; other leaves are left
+  alone, and the user's own objects are shallow-copied, never rebuilt
+  (:func:`to_device`).
 - **A position.** It counts the batches it has handed out in the current pass,
   so a checkpoint can record how far the epoch got (:meth:`position`).
 - **Per-batch worker seeds.** Each batch's index list carries a seed derived
@@ -32,9 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -45,28 +48,55 @@ from ddpctx.utils.seeding import seed_worker, worker_seed
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    """``batch`` with every tensor inside it moved to ``device``."""
+    """``batch`` with every tensor inside it moved to ``device``; user objects are never rebuilt.
+
+    A container whose tensors are already there comes back as the same object.
+    Otherwise a *shallow copy* gets the moved items: a dataclass keeps every
+    attribute and is not constructed again (``__post_init__`` does not run
+    twice); a ``dict`` subclass (``OrderedDict``, ``defaultdict``, EasyDict-style
+    attribute dicts) and any other mutable mapping (``UserDict``, HuggingFace's
+    ``BatchEncoding``) keep their type.
+    """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(item, device, non_blocking) for item in batch))
+        items = [to_device(item, device, non_blocking) for item in batch]
+        return batch if _same(items, batch) else type(batch)(*items)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(item, device, non_blocking) for item in batch)
-    if isinstance(batch, dict):
+        items = [to_device(item, device, non_blocking) for item in batch]
+        if _same(items, batch):
+            return batch
+        if type(batch) in (list, tuple):
+            return type(batch)(items)
+        if isinstance(batch, list):  # a list subclass: keep it and its attributes
+            moved_list = copy.copy(batch)
+            moved_list[:] = items
+            return moved_list
+        return type(batch)(items)
+    if isinstance(batch, MutableMapping):  # dict, its subclasses, UserDict, BatchEncoding
         moved = {key: to_device(value, device, non_blocking) for key, value in batch.items()}
+        if all(moved[key] is value for key, value in batch.items()):
+            return batch
         if type(batch) is dict:
             return moved
-        copy = batch.copy()  # keeps the subclass (OrderedDict, defaultdict, ...)
-        copy.update(moved)
-        return copy
+        target = copy.copy(batch)  # keeps the type and its attributes (Counter, defaultdict)
+        for key, value in moved.items():
+            target[key] = value
+        return target
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            field.name: to_device(getattr(batch, field.name), device, non_blocking)
-            for field in dataclasses.fields(batch)
-            if field.init
-        }
-        return dataclasses.replace(batch, **changes)
+        fields = [field.name for field in dataclasses.fields(batch)]
+        values = {name: to_device(getattr(batch, name), device, non_blocking) for name in fields}
+        if all(values[name] is getattr(batch, name) for name in fields):
+            return batch
+        moved_instance = copy.copy(batch)
+        for name, value in values.items():
+            object.__setattr__(moved_instance, name, value)  # also for frozen dataclasses
+        return moved_instance
     return batch
+
+
+def _same(items: list[Any], originals: Any) -> bool:
+    return all(item is original for item, original in zip(items, originals, strict=True))
 
 
 class SeededIndices(list[int]):
