@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 #: How deep the search follows attributes and items, and how many objects it visits at most.
-MAX_DEPTH = 4
+MAX_DEPTH = 6
 MAX_VISITS = 5000
 _MAX_ITEMS = 64  # of one list, tuple or dict
 
