@@ -192,7 +192,7 @@ def load(
     changed = check_world_size(state, path, place.world_size, allow_world_size_change)
     saved = saved_loaders(state.get("loaders") or [])
     if changed:
-        check_scheduler(scheduler, saved, place.world_size, where)
+        check_scheduler(scheduler, state.get("scheduler"), saved, place.world_size, where)
     unwrap_model(model).load_state_dict(state["model"])
     _load_stateful("optimizer", optimizer, state, where)
     _load_stateful("scheduler", scheduler, state, where)

@@ -43,7 +43,11 @@ def steps_per_epoch(length: int, world_size: int, batch_size: int, pad: bool) ->
 
 
 def check_scheduler(
-    scheduler: Any, saved: list[SavedLoader], new_world_size: int, where: str
+    scheduler: Any,
+    saved_state: dict[str, Any] | None,
+    saved: list[SavedLoader],
+    new_world_size: int,
+    where: str,
 ) -> None:
     """Refuse (OneCycleLR) or warn (others with a horizon) when steps per epoch change."""
     if scheduler is None:
@@ -59,8 +63,9 @@ def check_scheduler(
     else:
         return
     name = type(scheduler).__name__
-    total = getattr(scheduler, horizon)
-    current = getattr(scheduler, "last_epoch", "?")
+    state = saved_state or {}
+    total = state.get(horizon, getattr(scheduler, horizon))
+    current = state.get("last_epoch", "?")
     facts = (
         f"{where} was saved by {loader.world_size} ranks reading {old} batches per epoch of "
         f"{loader.description}; on {new_world_size} ranks they read {new}. The scheduler "
