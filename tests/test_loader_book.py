@@ -157,6 +157,25 @@ def test_len_is_the_whole_epoch_and_start_numbers_a_resumed_one(tmp_path: Path) 
     assert resumed == uninterrupted[4:]
 
 
+def test_len_and_start_describe_the_resumed_epoch_right_after_load_checkpoint(
+    tmp_path: Path,
+) -> None:
+    with distributed(seed=3) as ctx:
+        loader = ctx.dataloader(Numbers(20), batch_size=2, shuffle=True)
+        for epoch in ctx.epochs(2):
+            for step, _ in enumerate(loader, start=loader.start):
+                if (epoch, step) == (1, 6):
+                    ctx.save_checkpoint(tmp_path, model=nn.Linear(1, 1), epoch=1, step=16)
+    with distributed(seed=3) as ctx:
+        loader = ctx.dataloader(Numbers(20), batch_size=2, shuffle=True)  # made before the load
+        assert (len(loader), loader.start) == (10, 0)
+        meta = ctx.load_checkpoint(tmp_path, model=nn.Linear(1, 1))
+        assert meta is not None
+        assert (len(loader), loader.start) == (10, 7)  # epoch 1, before ctx.epochs sets it
+        steps = [step for _ in ctx.epochs(2, start=1) for step, _ in enumerate(loader, 7)]
+    assert steps == [7, 8, 9]
+
+
 class Windows(Dataset[torch.Tensor]):
     """Kronos-style: draws its sample from a private generator, ignoring the index."""
 

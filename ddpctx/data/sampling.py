@@ -114,7 +114,13 @@ class ShardSampler(Sampler[int]):
         self.epoch = epoch
 
     def resume(self, position: Position) -> None:
-        """Start the next pass of ``position.epoch`` where ``position`` left off."""
+        """Start the next pass of ``position.epoch`` where ``position`` left off.
+
+        The sampler moves to that epoch at once, so ``len(loader)`` and
+        ``loader.start`` describe the resumed epoch right after ``load_checkpoint``,
+        before ``ctx.epochs`` calls :meth:`set_epoch` with it.
+        """
+        self.epoch = position.epoch
         if position.world_size == self.num_replicas:
             self._resume = position
             return
