@@ -246,3 +246,16 @@ def test_a_killed_saves_temporary_is_removed_by_the_next_checkpoint_of_any_name(
     with distributed() as ctx:
         ctx.save_checkpoint(tmp_path, model=nn.Linear(1, 1), epoch=0)
     assert not stale.exists()
+
+
+def test_a_killed_saves_temporary_is_removed_at_the_next_load(tmp_path: Path) -> None:
+    with distributed() as ctx:
+        ctx.save_checkpoint(tmp_path, model=nn.Linear(1, 1), epoch=0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname().replace(".", "_")
+    stale = tmp_path / f".checkpoint-000002-epoch1.pt.{host}.{dead.pid}.deadbeef.tmp"
+    stale.write_bytes(b"half of a large checkpoint")
+    with distributed() as ctx:
+        assert ctx.load_checkpoint(tmp_path, model=nn.Linear(1, 1)) == {"epoch": 0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001-epoch0.pt"]

@@ -250,3 +250,21 @@ def test_mapping_batches_keep_their_type_and_attributes_and_are_moved() -> None:
 def test_a_batch_already_on_the_device_is_the_same_object() -> None:
     batch = {"x": torch.ones(1), "rows": [Scaled(torch.ones(1))]}
     assert to_device(batch, torch.device("cpu"), non_blocking=False) is batch
+
+
+def test_an_empty_dataset_is_refused_with_pad_and_gives_no_batches_without() -> None:
+    with distributed() as ctx:
+        with pytest.raises(ValueError, match=r"empty list \(len 0\) with pad=True"):
+            ctx.dataloader([], batch_size=2)
+        loader = ctx.dataloader([], batch_size=2, pad=False)
+        assert (len(loader), [batch for _ in ctx.epochs(1) for batch in loader]) == (0, [])
+
+
+@pytest.mark.distributed(world_size=3)
+def test_fewer_samples_than_ranks_pad_to_one_each_or_leave_some_ranks_empty(
+    dist_ctx: DistContext,
+) -> None:
+    padded = [b.tolist() for b in dist_ctx.dataloader([10, 11], batch_size=4)]
+    exact = [b.tolist() for b in dist_ctx.dataloader([10, 11], batch_size=4, pad=False)]
+    assert padded == [[[10], [11], [10]][dist_ctx.rank]]  # as torch's DistributedSampler pads
+    assert dist_ctx.all_gather(exact) == [[[10]], [[11]], []]

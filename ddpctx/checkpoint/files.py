@@ -25,7 +25,7 @@
   checkpoint it wrote or loaded; a newer one it did not write means another
   writer, and saving is refused.
 - Temporaries of any checkpoint in the directory that a killed save left
-  behind are removed at the next save (see :func:`~ddpctx.utils.atomic.is_abandoned`).
+  behind are removed at the next save or load (see :func:`~ddpctx.utils.atomic.is_abandoned`).
 
 Everything is loaded with ``weights_only=True``: the states are stored as
 tensors and plain numbers, so no pickled code is ever needed.

@@ -227,6 +227,8 @@ def load(
 
 def _choose(directory: Path, seen: dict[Path, str]) -> Path | None:
     """Rank 0: the newest loadable checkpoint, after pruning what an interrupted save left."""
+    with contextlib.suppress(OSError):  # a read-only directory still loads
+        remove_abandoned_checkpoint_temporaries(directory)
     path = newest_checkpoint(directory)
     if path is None:
         return None

@@ -86,9 +86,9 @@ def make_dataloader(
     """
     if isinstance(dataset, IterableDataset):
         raise TypeError(
-            "ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); an "
-            "IterableDataset must shard itself, e.g. by reading every ctx.world_size-th item "
-            "from ctx.rank on."
+            f"ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); got "
+            f"{type(dataset).__name__}: an IterableDataset must shard itself, e.g. by reading "
+            "every ctx.world_size-th item from ctx.rank on, in a plain DataLoader."
         )
     if not isinstance(dataset, Sized):
         raise TypeError(
@@ -100,6 +100,13 @@ def make_dataloader(
         raise ValueError(
             f"ctx.dataloader() got {clash[0]}=...; it makes its own distributed sampler. Drop "
             f"{clash[0]}, or build the DataLoader yourself with a DistributedSampler."
+        )
+    if pad and len(dataset) == 0:
+        raise ValueError(
+            f"ctx.dataloader() got an empty {type(dataset).__name__} (len 0) with pad=True: "
+            "there is no sample to repeat, and every epoch would run 0 steps on every rank. "
+            "Check how the dataset was built; for an evaluation split that may be empty, "
+            "pass pad=False (then @all_reduced(weight='count') gives NaN, not 0)."
         )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int, e.g. 64.")
