@@ -143,7 +143,8 @@ def warn_private_generators(dataset: object, collate_fn: object) -> None:
             "already drew (the run does not continue exactly), and with num_workers > 0 every "
             "worker starts from a copy of it and draws the same numbers. Fix: draw from the "
             f"global generator instead, e.g. {fix}; ddpctx seeds those per rank, worker and "
-            "batch and saves them in every checkpoint. If it is meant to stay fixed, silence "
+            "batch and saves them in every checkpoint. Then delete the unused generator (this "
+            "warning looks for it, not for its use). If it is meant to stay fixed, silence "
             "this with warnings.filterwarnings('ignore', "
             "category=ddpctx.data.generators.PrivateGeneratorWarning).",
             PrivateGeneratorWarning,
