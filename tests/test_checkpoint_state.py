@@ -18,6 +18,7 @@ from torch import nn
 
 from ddpctx import DistContext, distributed
 from ddpctx.checkpoint.files import checkpoint_paths
+from tests.helpers import REPO, child_env
 
 
 class Counter:
@@ -259,3 +260,35 @@ def test_a_killed_saves_temporary_is_removed_at_the_next_load(tmp_path: Path) ->
     with distributed() as ctx:
         assert ctx.load_checkpoint(tmp_path, model=nn.Linear(1, 1)) == {"epoch": 0}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001-epoch0.pt"]
+
+
+def test_a_read_only_checkpoint_directory_loads_and_refuses_a_save_by_name(
+    tmp_path: Path,
+) -> None:
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    script = REPO / "tests" / "scripts" / "read_only_checkpoints.py"
+    folder = mount / "checkpoints"
+    steps = (
+        f"mount -t tmpfs tmpfs {mount} && {sys.executable} {script} save {folder} && "
+        f"mount -o remount,ro {mount} && {sys.executable} {script} probe {folder}"
+    )
+    try:
+        result = subprocess.run(
+            ["unshare", "-m", "sh", "-c", steps],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env(),
+            cwd=REPO,
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare here to mount a read-only file system")
+    unavailable = "unshare" in result.stderr or "mount" in result.stderr  # not root, say
+    if unavailable and "loaded" not in result.stdout:
+        pytest.skip(f"cannot mount a read-only file system here: {result.stderr[-200:]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "loaded {'epoch': 2}"
+    assert lines[1].startswith("refused [Errno 30] cannot save to ")
+    assert "is on a read-only file system. Nothing was written; save to a writable" in lines[1]
