@@ -102,3 +102,21 @@ def test_no_sync_and_accumulate_are_no_ops_on_one_rank_and_for_bare_models() -> 
         assert bare.weight.grad is not None
         with pytest.raises(ValueError, match=r"every=0 must be a positive int"):
             ctx.accumulate(bare, every=0)
+
+
+@pytest.mark.distributed(world_size=2, timeout=90)
+def test_a_nested_accumulation_block_is_refused_and_ddp_keeps_syncing(
+    dist_ctx: DistContext,
+) -> None:
+    model, _, calls = model_copy(dist_ctx)
+    accumulation = dist_ctx.accumulate(model, every=2)
+    with accumulation as sync:
+        assert not sync  # the first of two micro-batches: no all-reduce
+        with pytest.raises(RuntimeError, match=r"cannot be nested"), accumulation:
+            pass
+        model(torch.ones(2, 6)).sum().backward()
+    with accumulation as sync:
+        assert sync
+        model(torch.ones(2, 6)).sum().backward()
+    model(torch.ones(2, 6)).sum().backward()  # outside any block: DDP all-reduces as usual
+    assert calls[0] == 2

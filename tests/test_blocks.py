@@ -83,3 +83,45 @@ def test_atomic_dir_creates_missing_parents_and_refuses_to_replace_a_file(tmp_pa
         (tmp_path / "file").write_text("x")
         with pytest.raises(FileExistsError, match=r"exists and is not a directory"):
             ctx.atomic_dir(tmp_path / "file").__enter__()
+
+
+def test_atomic_dir_through_a_symlink_replaces_the_directory_it_points_to(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "old").write_text("1")
+    link = tmp_path / "latest"
+    link.symlink_to(real, target_is_directory=True)
+    with distributed() as ctx:
+        with ctx.atomic_dir(link) as tmp:
+            assert tmp is not None
+            (tmp / "new").write_text("2")
+        assert link.is_symlink()
+        assert sorted(p.name for p in link.iterdir()) == ["new"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "real"]
+
+        def write_then_fail() -> None:
+            with ctx.atomic_dir(link) as tmp:
+                assert tmp is not None
+                (tmp / "partial").write_text("x")
+                raise ValueError("failed")
+
+        with pytest.raises(ValueError, match="failed"):
+            write_then_fail()
+        assert link.is_symlink()
+        assert sorted(p.name for p in real.iterdir()) == ["new"]  # untouched on failure
+
+
+@pytest.mark.parametrize("path", [".", "..", ""])
+def test_atomic_dir_refuses_the_current_directory_and_its_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with (
+        distributed() as ctx,
+        pytest.raises(ValueError, match=r"the current directory or a parent of it"),
+        ctx.atomic_dir(path),
+    ):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]

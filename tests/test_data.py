@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import random
@@ -179,3 +180,91 @@ def test_the_loader_moves_batches_to_the_device_unless_told_not_to() -> None:
         assert [batch.device.type for batch in untouched] == ["cpu"]
         assert isinstance(default, DataLoader)
         assert (default.batch_size, len(default)) == (2, 2)
+
+
+@dataclasses.dataclass
+class Scaled:
+    """A batch whose __post_init__ transforms its input: rebuilding it would apply it twice."""
+
+    x: torch.Tensor
+    scale: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.x = self.x * self.scale - 10
+
+
+class AttributeDict(dict[str, Any]):
+    """EasyDict-style: keys are attributes too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Encoding(collections.UserDict[str, Any]):
+    """Like HuggingFace's BatchEncoding: a UserDict with its own attributes."""
+
+    def __init__(self, data: dict[str, Any], note: str) -> None:
+        super().__init__(data)
+        self.note = note
+
+
+def collate_scaled(items: list[float]) -> Scaled:
+    batch = Scaled(torch.tensor(items) / 10 + 1)  # __post_init__ makes it items * 1.0
+    batch.split = "train"  # type: ignore[attr-defined]  # set after construction
+    return batch
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "meta"], ids=["as-is", "cpu", "meta"])
+def test_a_dataclass_batch_is_moved_not_rebuilt(device: str | None) -> None:
+    with distributed() as ctx:
+        loader = ctx.dataloader([0.0, 10.0], batch_size=2, collate_fn=collate_scaled, device=device)
+        (batch,) = list(loader)
+    assert isinstance(batch, Scaled)
+    assert batch.split == "train"  # type: ignore[attr-defined]
+    assert batch.x.device.type == (device or "cpu")
+    if device != "meta":
+        assert batch.x.tolist() == [0.0, 10.0]  # __post_init__ ran once
+
+
+def test_mapping_batches_keep_their_type_and_attributes_and_are_moved() -> None:
+    meta = torch.device("meta")
+    attributes = to_device(AttributeDict(x=torch.ones(1), label="a"), meta, non_blocking=False)
+    assert type(attributes) is AttributeDict
+    assert attributes.x.device.type == "meta"
+    assert attributes.label == "a"
+    encoding = to_device(Encoding({"ids": torch.ones(2)}, note="n"), meta, non_blocking=False)
+    assert type(encoding) is Encoding
+    assert encoding.note == "n"
+    assert encoding["ids"].device.type == "meta"
+    counts = to_device(collections.Counter(a=1), meta, non_blocking=False)
+    assert counts == collections.Counter(a=1)
+    factory = to_device(collections.defaultdict(list, x=torch.ones(1)), meta, non_blocking=False)
+    assert isinstance(factory, collections.defaultdict)
+    assert factory["missing"] == []
+    assert factory["x"].device.type == "meta"
+
+
+def test_a_batch_already_on_the_device_is_the_same_object() -> None:
+    batch = {"x": torch.ones(1), "rows": [Scaled(torch.ones(1))]}
+    assert to_device(batch, torch.device("cpu"), non_blocking=False) is batch
+
+
+def test_an_empty_dataset_is_refused_with_pad_and_gives_no_batches_without() -> None:
+    with distributed() as ctx:
+        with pytest.raises(ValueError, match=r"empty list \(len 0\) with pad=True"):
+            ctx.dataloader([], batch_size=2)
+        loader = ctx.dataloader([], batch_size=2, pad=False)
+        assert (len(loader), [batch for _ in ctx.epochs(1) for batch in loader]) == (0, [])
+
+
+@pytest.mark.distributed(world_size=3)
+def test_fewer_samples_than_ranks_pad_to_one_each_or_leave_some_ranks_empty(
+    dist_ctx: DistContext,
+) -> None:
+    padded = [b.tolist() for b in dist_ctx.dataloader([10, 11], batch_size=4)]
+    exact = [b.tolist() for b in dist_ctx.dataloader([10, 11], batch_size=4, pad=False)]
+    assert padded == [[[10], [11], [10]][dist_ctx.rank]]  # as torch's DistributedSampler pads
+    assert dist_ctx.all_gather(exact) == [[[10]], [[11]], []]

@@ -60,6 +60,36 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
         assert result.stdout == "[0, 10]\n"
 
 
+def test_the_readme_example_stopped_mid_epoch_logs_the_same_steps_once_resumed(
+    tmp_path: Path,
+) -> None:
+    (code,) = [code for _, code in BLOCKS if 'ctx.load_checkpoint("runs/together"' in code]
+    save = '                )\n        log(f"epoch {epoch}: validation'
+    assert code.count(save) == 1
+    stop = "                )\n                if step == 20:\n                    os._exit(3)\n"
+    killed = "import os\n" + code.replace(save, stop + save[18:])
+
+    def run(source: str, folder: Path) -> subprocess.CompletedProcess[str]:
+        folder.mkdir(exist_ok=True)
+        (folder / "example.py").write_text(source)
+        return subprocess.run(
+            [sys.executable, "example.py"],
+            cwd=folder,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    whole = run(code, tmp_path / "whole")
+    first = run(killed, tmp_path / "resumed")
+    second = run(code, tmp_path / "resumed")
+    assert (whole.returncode, first.returncode, second.returncode) == (0, 3, 0), second.stderr
+    lines = whole.stdout.splitlines()
+    assert first.stdout.splitlines() == lines[:6]  # stopped after epoch 1, batch 4
+    assert second.stdout.splitlines() == ["resuming at epoch 1, batch 5 of 16", *lines[6:]]
+
+
 def test_the_first_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(BLOCKS[0][1])

@@ -17,9 +17,7 @@ from torch import nn
 
 from ddpctx.checkpoint import resume
 from ddpctx.checkpoint.files import load_file
-from ddpctx.data.dataloader import apply_position
-from ddpctx.data.loader import ShardLoader
-from ddpctx.data.sampling import Position
+from ddpctx.data.book import LoaderBook
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
@@ -32,8 +30,8 @@ class CheckpointFaces:
     base_seed: int | None
     all_gather: Callable[[Any], list[Any]]
     _place: Callable[[], Place]
-    _loaders: list[ShardLoader]
-    _resume_positions: list[tuple[Position | None, int]]
+    _loader_book: LoaderBook
+    _newest_checkpoints: dict[Path, str]
 
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """Rank 0 writes ``obj`` atomically (temporary file, fsync, rename); every rank waits.
@@ -64,6 +62,7 @@ class CheckpointFaces:
         scheduler: Any = None,
         scaler: Any = None,
         extra: dict[str, Any] | None = None,
+        rank_state: dict[str, Any] | None = None,
         step: int | None = None,
         keep: int = 2,
         **meta: Any,
@@ -71,18 +70,24 @@ class CheckpointFaces:
         """Save the training state, every rank's random state and every loader's position.
 
         Writes a new checkpoint named for its epoch and step (see
-        :mod:`ddpctx.checkpoint.files`), keeps the newest ``keep``, and returns its
-        path on every rank. ``scaler`` (AMP) and ``extra`` (name -> object
-        with ``state_dict``) are saved too. ``meta`` (e.g. ``epoch=3``) comes
-        back from :meth:`load_checkpoint`; NumPy values, paths and
-        namespaces are converted, anything that would not load is refused
-        here (see :mod:`ddpctx.checkpoint.meta`). Call it every K steps with ``step=``
-        to resume mid-epoch.
+        :mod:`ddpctx.checkpoint.files`), keeps the newest ``keep`` (a save with
+        the same epoch and step replaces the older one), and returns its
+        path on every rank. ``scaler`` (AMP) is saved too. ``extra`` (name ->
+        object with ``state_dict``) is **rank 0's** state, one copy that
+        every rank loads: use it for what is the same on every rank.
+        ``rank_state`` (name -> object with ``state_dict``, or a
+        ``random.Random`` / NumPy / torch generator) is saved on **every**
+        rank and restored to the same rank (see :mod:`ddpctx.checkpoint.perrank`).
+        ``meta`` (e.g. ``epoch=3``) comes back from :meth:`load_checkpoint`;
+        NumPy values, paths and namespaces are converted, anything that would
+        not load is refused here (see :mod:`ddpctx.checkpoint.meta`). Call it every
+        K steps with ``step=`` to resume mid-epoch. Another job writing
+        checkpoints into the same directory is detected and refused.
         """
         return resume.save(
             self._place(),
             self.all_gather,
-            self._loaders,
+            self._loader_book,
             self.base_seed,
             Path(directory),
             model=model,
@@ -93,6 +98,8 @@ class CheckpointFaces:
             step=step,
             keep=keep,
             meta=meta,
+            rank_state=rank_state,
+            newest_seen=self._newest_checkpoints,
         )
 
     def load_checkpoint(
@@ -104,6 +111,7 @@ class CheckpointFaces:
         scheduler: Any = None,
         scaler: Any = None,
         extra: dict[str, Any] | None = None,
+        rank_state: dict[str, Any] | None = None,
         allow_world_size_change: bool = False,
     ) -> dict[str, Any] | None:
         """Restore the newest loadable checkpoint in ``directory``; return its meta.
@@ -114,13 +122,17 @@ class CheckpointFaces:
         an uninterrupted one would (``step`` is in the meta when it was
         saved). Torn files are skipped with a warning; a file that reads but
         is refused is an error, as is a directory where no checkpoint loads.
-        A checkpoint from another world size is an error unless
-        ``allow_world_size_change=True`` (see :mod:`ddpctx.checkpoint.resume`).
+        An ``optimizer`` or ``scheduler`` the checkpoint holds no state for,
+        or of another type, is an error. ``rank_state`` objects get this
+        rank's saved states. A checkpoint from another world size is an error
+        unless ``allow_world_size_change=True`` (see :mod:`ddpctx.checkpoint.resume`);
+        then a step-counted scheduler whose steps per epoch change is named
+        (see :mod:`ddpctx.checkpoint.schedules`).
         """
-        meta, positions = resume.load(
+        return resume.load(
             self._place(),
             self.device,
-            self._loaders,
+            self._loader_book,
             self.base_seed,
             Path(directory),
             model=model,
@@ -129,8 +141,6 @@ class CheckpointFaces:
             scaler=scaler,
             extra=extra,
             allow_world_size_change=allow_world_size_change,
+            rank_state=rank_state,
+            newest_seen=self._newest_checkpoints,
         )
-        self._resume_positions = positions
-        for index, loader in enumerate(self._loaders[: len(positions)]):
-            apply_position(loader, index, *positions[index])
-        return meta

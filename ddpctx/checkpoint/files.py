@@ -15,7 +15,17 @@
   holds, or it is not a ddpctx checkpoint: an error naming it, never skipped
   silently), and no checkpoint at all (None). When checkpoints exist and none
   loads, that is an error too, never "start over".
-- :func:`prune` never deletes the newest loadable checkpoint.
+- :func:`prune` never deletes the newest loadable checkpoint. A checkpoint
+  with the same epoch and step as a newer one is superseded and removed
+  (a mid-epoch save at the last step, then the end-of-epoch save). The
+  ``keep`` of the last save is stored, so loading prunes again what a stop
+  between the rename and the prune left behind.
+- :func:`check_single_writer`: two jobs writing one directory would reuse
+  numbers and prune each other's newest files. A run remembers the newest
+  checkpoint it wrote or loaded; a newer one it did not write means another
+  writer, and saving is refused.
+- Temporaries of any checkpoint in the directory that a killed save left
+  behind are removed at the next save or load (see :func:`~ddpctx.utils.atomic.is_abandoned`).
 
 Everything is loaded with ``weights_only=True``: the states are stored as
 tensors and plain numbers, so no pickled code is ever needed.
@@ -42,11 +52,12 @@ import torch
 from torch import nn
 
 from ddpctx.parallel.wrapping import unwrap_model
-from ddpctx.utils.atomic import atomic_save
+from ddpctx.utils.atomic import atomic_save, remove_abandoned
 
 __all__ = [
     "FORMAT",
     "atomic_save",
+    "check_single_writer",
     "check_world_size",
     "checkpoint_paths",
     "load_file",
@@ -170,11 +181,55 @@ def newest_checkpoint(directory: Path) -> Path | None:
     return None
 
 
+def label_of(path: Path) -> str:
+    """The ``-epoch3-step120`` part of a checkpoint's name ('' when it has none)."""
+    match = _NAME.match(path.name)
+    return (match.group(2) or "") if match else ""
+
+
 def prune(directory: Path, keep: int, newest_good: Path) -> None:
-    """Delete checkpoints older than the newest ``keep``, never ``newest_good`` (known to load)."""
-    for old in checkpoint_paths(directory)[keep:]:
+    """Delete checkpoints older than the newest ``keep``, never ``newest_good`` (known to load).
+
+    Older checkpoints labelled with the same epoch and step as ``newest_good``
+    are superseded by it and deleted first.
+    """
+    label = label_of(newest_good)
+    paths = checkpoint_paths(directory)
+    if label:
+        for older in paths:
+            if older != newest_good and label_of(older) == label:
+                older.unlink(missing_ok=True)
+        paths = checkpoint_paths(directory)
+    for old in paths[keep:]:
         if old != newest_good:
             old.unlink(missing_ok=True)
+
+
+def remove_abandoned_checkpoint_temporaries(directory: Path) -> None:
+    """Remove what killed saves of any checkpoint in ``directory`` left behind."""
+    names = {path.name.split(".")[1] for path in directory.glob(".checkpoint-*.tmp")}
+    for name in names:
+        if _NAME.match(name + ".pt"):
+            remove_abandoned(directory / (name + ".pt"))
+
+
+def check_single_writer(directory: Path, last_seen: str | None) -> None:
+    """Refuse to save when a checkpoint newer than ``last_seen`` (ours) appeared: another writer."""
+    if last_seen is None:
+        return
+    newest = checkpoint_paths(directory)[:1]
+    if newest and newest[0].name != last_seen and _number(newest[0]) > _number(Path(last_seen)):
+        raise RuntimeError(
+            f"{str(directory)!r} holds {newest[0].name!r}, which this run did not write: its "
+            f"newest save or load was {last_seen!r}. Another job is writing checkpoints to the "
+            "same directory; the two would reuse numbers and prune each other's newest files. "
+            "Give each run its own checkpoint directory (or stop the other job)."
+        )
+
+
+def _number(path: Path) -> int:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 def training_state(
@@ -190,6 +245,8 @@ def training_state(
     loaders: list[dict[str, Any]] | None = None,
     step: int | None = None,
     base_seed: int | None = None,
+    rank_states: list[dict[str, Any]] | None = None,
+    keep: int | None = None,
 ) -> dict[str, Any]:
     """Everything a checkpoint file holds (see the module docstring)."""
     return {
@@ -197,7 +254,9 @@ def training_state(
         "world_size": world_size,
         "model": unwrap_model(model).state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer_type": type(optimizer).__qualname__ if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scheduler_type": type(scheduler).__qualname__ if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": {name: bare(item).state_dict() for name, item in (extra or {}).items()},
         "meta": meta,
@@ -205,6 +264,8 @@ def training_state(
         "loaders": loaders or [],
         "step": step,
         "base_seed": base_seed,
+        "rank_state": rank_states or [],
+        "keep": keep,
     }
 
 

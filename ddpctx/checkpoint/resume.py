@@ -22,7 +22,8 @@ the gather function it is given; :mod:`ddpctx.session.context` wires it in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +31,24 @@ import numpy as np
 import torch
 from torch import nn
 
+from ddpctx.checkpoint import perrank
 from ddpctx.checkpoint.files import (
     RefusedCheckpoint,
     bare,
+    check_single_writer,
     check_world_size,
     load_file,
     newest_checkpoint,
     next_checkpoint_path,
     probe,
     prune,
+    remove_abandoned_checkpoint_temporaries,
     training_state,
     unwrap_model,
 )
 from ddpctx.checkpoint.meta import plain_meta
-from ddpctx.data.loader import ShardLoader
-from ddpctx.data.sampling import Position
+from ddpctx.checkpoint.schedules import check_scheduler
+from ddpctx.data.book import LoaderBook, saved_loaders
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
@@ -71,39 +75,10 @@ def _check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
     return extra
 
 
-LoaderPosition = tuple[int, int, bool, bytes]
-
-
-def _positions(loaders: Sequence[ShardLoader]) -> list[LoaderPosition]:
-    return [loader.position() for loader in loaders]
-
-
-def loader_records(
-    loaders: Sequence[ShardLoader], everyone: list[list[LoaderPosition]]
-) -> list[dict[str, Any]]:
-    """Per loader: its epoch and every rank's consumed count (see :mod:`ddpctx.data.sampling`)."""
-    records = []
-    for index, loader in enumerate(loaders):
-        mine = [ranks[index] for ranks in everyone]
-        done = mine[0][3]  # the same on every rank: where this epoch's deal started
-        records.append(
-            {
-                "epoch": mine[0][0],
-                "world_size": len(everyone),
-                "consumed": [consumed for _, consumed, _, _ in mine],
-                "complete": all(complete for _, _, complete, _ in mine),
-                "done": torch.tensor(list(done), dtype=torch.uint8),
-                "length": loader.shard.length,
-                "pad": loader.shard.pad,
-            }
-        )
-    return records
-
-
 def save(
     place: Place,
     gather: Gather,
-    loaders: Sequence[ShardLoader],
+    loaders: LoaderBook,
     base_seed: int | None,
     directory: Path,
     *,
@@ -115,19 +90,31 @@ def save(
     step: int | None,
     keep: int,
     meta: dict[str, Any],
+    rank_state: dict[str, Any] | None = None,
+    newest_seen: dict[Path, str] | None = None,
 ) -> Path:
+    """Write a checkpoint of the run (rank 0), prune old ones; every rank gets its path.
+
+    ``newest_seen`` (rank 0's memory of the newest checkpoint it wrote or
+    loaded, per directory) detects another job writing the same directory.
+    """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep={keep!r} must be a positive int (how many checkpoints to keep).")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be a non-negative int (the global step), or None.")
     extra = _check_extra(extra)
+    rank_state = perrank.check_rank_state(rank_state)
     plain = plain_meta(meta)  # refused here, on every rank, before anything is written
-    everyone = gather((rng_state(), _positions(loaders)))
-    rng_states = [states for states, _ in everyone]
-    records = loader_records(loaders, [positions for _, positions in everyone])
+    everyone = gather((rng_state(), loaders.snapshot(), perrank.capture(rank_state)))
+    rng_states = [states for states, _, _ in everyone]
+    records = loaders.records([snapshot for _, snapshot, _ in everyone])
+    rank_states = [states for _, _, states in everyone]
+    seen = newest_seen if newest_seen is not None else {}
 
     def write() -> Path:
         directory.mkdir(parents=True, exist_ok=True)
+        check_single_writer(directory, seen.get(directory))
+        remove_abandoned_checkpoint_temporaries(directory)
         path = next_checkpoint_path(directory, plain.get("epoch"), step)
         state = training_state(
             model,
@@ -141,6 +128,8 @@ def save(
             loaders=records,
             step=step,
             base_seed=base_seed,
+            rank_states=rank_states,
+            keep=keep,
         )
         atomic_save(state, path)
         try:
@@ -152,7 +141,8 @@ def save(
                 f"ones kept: {error}. Some state_dict (optimizer, scheduler, scaler or extra) "
                 "holds a value weights_only refuses; convert it to plain values."
             ) from error
-        prune(directory, keep, path)
+        prune(directory, keep, path)  # also what an earlier stop left, and same-step saves
+        seen[directory] = path.name
         return path
 
     _, path = on_rank_zero(place, write, broadcast=True)
@@ -172,7 +162,7 @@ def derived_seed(base_seed: int, rank: int, step: int, world_size: int) -> int:
 def load(
     place: Place,
     device: torch.device,
-    loaders: Sequence[ShardLoader],
+    loaders: LoaderBook,
     base_seed: int | None,
     directory: Path,
     *,
@@ -182,52 +172,97 @@ def load(
     scaler: Any,
     extra: dict[str, Any] | None,
     allow_world_size_change: bool,
-) -> tuple[dict[str, Any] | None, list[tuple[Position | None, int]]]:
-    """The meta (None when no checkpoint at all) and each saved loader's position to resume."""
+    rank_state: dict[str, Any] | None = None,
+    newest_seen: dict[Path, str] | None = None,
+) -> dict[str, Any] | None:
+    """Restore the newest checkpoint; return its meta (None when there is no checkpoint at all).
+
+    Loaders made by ``ctx.dataloader`` (now or later) get their saved positions
+    through ``loaders``.
+    """
     extra = _check_extra(extra)
-    _, chosen = on_rank_zero(place, lambda: newest_checkpoint(directory), broadcast=True)
+    rank_state = perrank.check_rank_state(rank_state)
+    seen = newest_seen if newest_seen is not None else {}
+    _, chosen = on_rank_zero(place, lambda: _choose(directory, seen), broadcast=True)
     if chosen is None:
-        return None, []
+        return None
     path = Path(chosen)
+    where = repr(str(path))
     state = load_file(path, device, weights_only=True)
     changed = check_world_size(state, path, place.world_size, allow_world_size_change)
+    saved = saved_loaders(state.get("loaders") or [])
+    if changed:
+        check_scheduler(scheduler, state.get("scheduler"), saved, place.world_size, where)
     unwrap_model(model).load_state_dict(state["model"])
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
+    _load_stateful("optimizer", optimizer, state, where)
+    _load_stateful("scheduler", scheduler, state, where)
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     saved_extra = state.get("extra") or {}
     for name, item in extra.items():
         if name not in saved_extra:
             raise ValueError(
-                f"{str(path)!r} holds no extra state {name!r} (it has "
+                f"{where} holds no extra state {name!r} (it has "
                 f"{sorted(saved_extra) or 'none'}); it was saved without it. Leave {name!r} out "
                 "of extra= for this resume, or start a new run."
             )
         bare(item).load_state_dict(saved_extra[name])
     step = state.get("step")
+    saved_ranks = state.get("rank_state") or []
     if changed:
         seed = base_seed if base_seed is not None else state.get("base_seed") or 0
-        seed_everything(derived_seed(seed, place.rank, step or 0, place.world_size))
+        fresh = derived_seed(seed, place.rank, step or 0, place.world_size)
+        perrank.reseed(rank_state, fresh, where, int(state["world_size"]))
+        seed_everything(fresh)
     else:
+        mine = saved_ranks[place.rank] if saved_ranks else {}
+        perrank.restore(rank_state, mine, where)
         set_rng_state(state["rng"][place.rank])
-    records = state.get("loaders") or []
-    positions = [(_position(record), int(record["length"])) for record in records]
+    loaders.restore(saved)
     meta: dict[str, Any] = dict(state["meta"])
     if step is not None:
         meta["step"] = step
-    return meta, positions
+    return meta
 
 
-def _position(record: dict[str, Any]) -> Position | None:
-    if record["complete"]:
-        return None  # a finished pass: the next pass reads everything
-    done = record["done"]
-    return Position(
-        epoch=int(record["epoch"]),
-        world_size=int(record["world_size"]),
-        consumed=tuple(int(c) for c in record["consumed"]),
-        done=bytes(done.cpu().numpy().tobytes()) if done.numel() else b"",
-    )
+def _choose(directory: Path, seen: dict[Path, str]) -> Path | None:
+    """Rank 0: the newest loadable checkpoint, after pruning what an interrupted save left."""
+    with contextlib.suppress(OSError):  # a read-only directory still loads
+        remove_abandoned_checkpoint_temporaries(directory)
+    path = newest_checkpoint(directory)
+    if path is None:
+        return None
+    keep = (probe(path) or {}).get("keep")
+    if isinstance(keep, int) and keep >= 1:
+        with contextlib.suppress(OSError):  # a read-only directory still loads
+            prune(directory, keep, path)
+    seen[directory] = path.name
+    return path
+
+
+def _load_stateful(what: str, item: Any, state: dict[str, Any], where: str) -> None:
+    """Load the optimizer or scheduler; a missing state or another type is a clear error."""
+    if item is None:
+        return
+    saved = state.get(what)
+    if saved is None:
+        raise ValueError(
+            f"{where} holds no {what} state: it was saved without {what}=. Leave {what}= out "
+            f"of load_checkpoint for this resume (the {what} starts fresh), or start a new run."
+        )
+    saved_type = state.get(f"{what}_type")
+    mine = type(item).__qualname__
+    if saved_type is not None and saved_type != mine:
+        raise TypeError(
+            f"{where} holds the state of a {saved_type} {what}, and load_checkpoint was given a "
+            f"{mine}. Pass a {saved_type} (as the run that saved it), or leave {what}= out to "
+            f"start the {mine} fresh."
+        )
+    try:
+        item.load_state_dict(saved)
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
+        raise ValueError(
+            f"{where}'s {what} state does not fit the {mine} given to load_checkpoint "
+            f"({type(error).__name__}: {error}). Build it as the run that saved it did (same "
+            f"parameter groups and options), or leave {what}= out to start it fresh."
+        ) from error

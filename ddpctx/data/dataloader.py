@@ -34,11 +34,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from ddpctx.data.generators import warn_private_generators
 from ddpctx.data.loader import SeededBatches, ShardLoader
-from ddpctx.data.sampling import Position, ShardSampler
+from ddpctx.data.sampling import ShardSampler
 from ddpctx.utils.seeding import seed_worker, worker_seed
 
-__all__ = ["SeedWorkers", "ShardSampler", "apply_position", "epochs", "make_dataloader"]
+__all__ = ["SeedWorkers", "ShardSampler", "epochs", "make_dataloader"]
 
 
 class SeedWorkers:
@@ -73,17 +74,21 @@ def make_dataloader(
     world_size: int,
     loader_kwargs: dict[str, Any],
     device: torch.device | None = None,
+    name: str | None = None,
 ) -> ShardLoader:
     """A DataLoader over this rank's shard; its ``shard`` is what :func:`epochs` advances.
 
     ``device``: move every batch there (None: leave batches where the dataset
     put them). ``pin_memory`` defaults to True only when ``device`` is CUDA.
+    ``name``: the key its position is saved under (see :mod:`ddpctx.data.book`).
+    On rank 0, private random generators in the dataset or ``collate_fn`` are
+    named in a warning (see :mod:`ddpctx.data.generators`).
     """
     if isinstance(dataset, IterableDataset):
         raise TypeError(
-            "ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); an "
-            "IterableDataset must shard itself, e.g. by reading every ctx.world_size-th item "
-            "from ctx.rank on."
+            f"ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); got "
+            f"{type(dataset).__name__}: an IterableDataset must shard itself, e.g. by reading "
+            "every ctx.world_size-th item from ctx.rank on, in a plain DataLoader."
         )
     if not isinstance(dataset, Sized):
         raise TypeError(
@@ -96,8 +101,19 @@ def make_dataloader(
             f"ctx.dataloader() got {clash[0]}=...; it makes its own distributed sampler. Drop "
             f"{clash[0]}, or build the DataLoader yourself with a DistributedSampler."
         )
+    if pad and len(dataset) == 0:
+        raise ValueError(
+            f"ctx.dataloader() got an empty {type(dataset).__name__} (len 0) with pad=True: "
+            "there is no sample to repeat, and every epoch would run 0 steps on every rank. "
+            "Check how the dataset was built; for an evaluation split that may be empty, "
+            "pass pad=False (then @all_reduced(weight='count') gives NaN, not 0)."
+        )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int, e.g. 64.")
+    if name is not None and not (isinstance(name, str) and name):
+        raise ValueError(f"name={name!r} must be a non-empty str (e.g. name='train'), or None.")
+    if rank == 0:
+        warn_private_generators(dataset, loader_kwargs.get("collate_fn"))
     sampler = ShardSampler(len(dataset), world_size, rank, shuffle=shuffle, seed=base_seed, pad=pad)
     drop_last = bool(loader_kwargs.pop("drop_last", False))
     batches = SeededBatches(sampler, batch_size, drop_last, base_seed)
@@ -106,11 +122,13 @@ def make_dataloader(
     # Its own generator: a new iterator then never draws from torch's global one, so
     # the global stream (saved in checkpoints) is the same with and without a resume.
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(base_seed + rank))
-    return ShardLoader(dataset, batches, device, worker_init_fn=init, **loader_kwargs)
+    return ShardLoader(dataset, batches, device, name, worker_init_fn=init, **loader_kwargs)
 
 
-def epochs(n: int, start: int, samplers: list[Any], barrier: Callable[[], None]) -> Iterator[int]:
-    """Yield ``start .. n-1``; set every sampler's epoch before each, barrier after each."""
+def epochs(
+    n: int, start: int, set_epoch: Callable[[int], None], barrier: Callable[[], None]
+) -> Iterator[int]:
+    """Yield ``start .. n-1``; ``set_epoch`` before each (every loader's), barrier after each."""
     for name, value in (("n", n), ("start", start)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(
@@ -122,21 +140,6 @@ def epochs(n: int, start: int, samplers: list[Any], barrier: Callable[[], None])
             "(e.g. start=meta['epoch'] + 1 from load_checkpoint)."
         )
     for epoch in range(start, n):
-        for sampler in samplers:
-            sampler.set_epoch(epoch)
+        set_epoch(epoch)
         yield epoch
         barrier()
-
-
-def apply_position(loader: ShardLoader, index: int, position: Position | None, length: int) -> None:
-    """Hand ``loader`` (the ``index``-th made) its saved position, checking it is the same data."""
-    if position is None:
-        return
-    if loader.shard.length != length:
-        raise ValueError(
-            f"loader #{index} (the {index + 1}th made by ctx.dataloader) has {loader.shard.length} "
-            f"samples but the checkpoint's loader #{index} had {length}: the data changed, so its "
-            "position cannot be resumed. Make the loaders in the same order over the same "
-            "datasets as the run that saved it."
-        )
-    loader.resume(position)

@@ -1,7 +1,8 @@
 """Data's face on :class:`~ddpctx.DistContext`: ``ctx.dataloader`` and ``ctx.epochs``.
 
-:class:`DataFaces` is mixed into ``DistContext``. It remembers every loader
-it made (their positions are what a checkpoint saves) and the positions a
+:class:`DataFaces` is mixed into ``DistContext``. Its
+:class:`~ddpctx.data.book.LoaderBook` holds every loader it made weakly (their
+positions are what a checkpoint saves), the current epoch, and the positions a
 checkpoint restored for loaders not made yet.
 """
 
@@ -13,9 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddpctx.data.dataloader import apply_position, epochs, make_dataloader
-from ddpctx.data.loader import ShardLoader
-from ddpctx.data.sampling import Position
+from ddpctx.data.book import LoaderBook
+from ddpctx.data.dataloader import epochs, make_dataloader
 
 
 class DataFaces:
@@ -26,8 +26,7 @@ class DataFaces:
     device: torch.device
     base_seed: int | None
     barrier: Callable[[], None]
-    _loaders: list[ShardLoader]
-    _resume_positions: list[tuple[Position | None, int]]
+    _loader_book: LoaderBook
 
     def dataloader(
         self,
@@ -36,6 +35,7 @@ class DataFaces:
         shuffle: bool = False,
         pad: bool = True,
         device: torch.device | str | None = "auto",
+        name: str | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader over this rank's shard of ``dataset`` (see :mod:`ddpctx.data.dataloader`).
@@ -48,7 +48,11 @@ class DataFaces:
         epoch) and each batch per (rank, epoch, batch); your
         ``worker_init_fn`` still runs after that. Its position within the
         epoch is saved by :meth:`save_checkpoint` and resumed by
-        :meth:`load_checkpoint`.
+        :meth:`load_checkpoint`, matched by ``name`` or else by a description
+        of the data (see :mod:`ddpctx.data.book`); ``len(loader)`` counts the
+        whole epoch and ``loader.start`` the batches a resumed epoch had
+        already read. Made inside ``for epoch in ctx.epochs(n)``, it starts
+        at that epoch. The context holds it weakly: dropping it frees it.
 
         >>> from ddpctx import distributed
         >>> with distributed(seed=0) as ctx:
@@ -67,11 +71,9 @@ class DataFaces:
             world_size=self.world_size,
             loader_kwargs=loader_kwargs,
             device=None if target is None else torch.device(target),
+            name=name,
         )
-        index = len(self._loaders)
-        self._loaders.append(loader)
-        if index < len(self._resume_positions):  # made after load_checkpoint
-            apply_position(loader, index, *self._resume_positions[index])
+        self._loader_book.add(loader)
         return loader
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -82,4 +84,4 @@ class DataFaces:
         ...     list(ctx.epochs(3, start=1))
         [1, 2]
         """
-        return epochs(n, start, [loader.shard for loader in self._loaders], self.barrier)
+        return epochs(n, start, self._loader_book.set_epoch, self.barrier)

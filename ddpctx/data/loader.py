@@ -4,8 +4,10 @@
 ``len`` works) that adds three things to iteration:
 
 - **Batches on the device.** Every tensor inside the batch (tuples, lists,
-  dicts, namedtuples, dataclasses) is moved to ``device``, ``non_blocking``
-  when pinned memory makes that safe; other leaves are left alone.
+  dicts and other mappings, namedtuples, dataclasses) is moved to ``device``,
+  ``non_blocking`` when pinned memory makes that safe; other leaves are left
+  alone, and the user's own objects are shallow-copied, never rebuilt
+  (:func:`to_device`).
 - **A position.** It counts the batches it has handed out in the current pass,
   so a checkpoint can record how far the epoch got (:meth:`position`).
 - **Per-batch worker seeds.** Each batch's index list carries a seed derived
@@ -32,9 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -45,28 +48,55 @@ from ddpctx.utils.seeding import seed_worker, worker_seed
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    """``batch`` with every tensor inside it moved to ``device``."""
+    """``batch`` with every tensor inside it moved to ``device``; user objects are never rebuilt.
+
+    A container whose tensors are already there comes back as the same object.
+    Otherwise a *shallow copy* gets the moved items: a dataclass keeps every
+    attribute and is not constructed again (``__post_init__`` does not run
+    twice); a ``dict`` subclass (``OrderedDict``, ``defaultdict``, EasyDict-style
+    attribute dicts) and any other mutable mapping (``UserDict``, HuggingFace's
+    ``BatchEncoding``) keep their type.
+    """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(item, device, non_blocking) for item in batch))
+        items = [to_device(item, device, non_blocking) for item in batch]
+        return batch if _same(items, batch) else type(batch)(*items)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(item, device, non_blocking) for item in batch)
-    if isinstance(batch, dict):
+        items = [to_device(item, device, non_blocking) for item in batch]
+        if _same(items, batch):
+            return batch
+        if type(batch) in (list, tuple):
+            return type(batch)(items)
+        if isinstance(batch, list):  # a list subclass: keep it and its attributes
+            moved_list = copy.copy(batch)
+            moved_list[:] = items
+            return moved_list
+        return type(batch)(items)
+    if isinstance(batch, MutableMapping):  # dict, its subclasses, UserDict, BatchEncoding
         moved = {key: to_device(value, device, non_blocking) for key, value in batch.items()}
+        if all(moved[key] is value for key, value in batch.items()):
+            return batch
         if type(batch) is dict:
             return moved
-        copy = batch.copy()  # keeps the subclass (OrderedDict, defaultdict, ...)
-        copy.update(moved)
-        return copy
+        target = copy.copy(batch)  # keeps the type and its attributes (Counter, defaultdict)
+        for key, value in moved.items():
+            target[key] = value
+        return target
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            field.name: to_device(getattr(batch, field.name), device, non_blocking)
-            for field in dataclasses.fields(batch)
-            if field.init
-        }
-        return dataclasses.replace(batch, **changes)
+        fields = [field.name for field in dataclasses.fields(batch)]
+        values = {name: to_device(getattr(batch, name), device, non_blocking) for name in fields}
+        if all(values[name] is getattr(batch, name) for name in fields):
+            return batch
+        moved_instance = copy.copy(batch)
+        for name, value in values.items():
+            object.__setattr__(moved_instance, name, value)  # also for frozen dataclasses
+        return moved_instance
     return batch
+
+
+def _same(items: list[Any], originals: Any) -> bool:
+    return all(item is original for item, original in zip(items, originals, strict=True))
 
 
 class SeededIndices(list[int]):
@@ -117,13 +147,21 @@ class SeededBatches(Sampler[list[int]]):
 
 
 class ShardLoader(DataLoader[Any]):
-    """A DataLoader over one rank's shard that moves batches and knows its position."""
+    """A DataLoader over one rank's shard that moves batches and knows its position.
+
+    ``len(loader)`` is always the number of batches of this rank's *whole*
+    epoch, the same with and without a resume. :attr:`start` is how many of
+    them a resumed epoch had already read (0 otherwise), so
+    ``enumerate(loader, start=loader.start)`` numbers the batches as an
+    uninterrupted run does.
+    """
 
     def __init__(
         self,
         dataset: Dataset[Any],
         batches: SeededBatches,
         device: torch.device | None,
+        name: str | None = None,
         **loader_kwargs: Any,
     ) -> None:
         super().__init__(dataset, batch_sampler=batches, **loader_kwargs)
@@ -132,6 +170,7 @@ class ShardLoader(DataLoader[Any]):
         object.__setattr__(self, "sampler", batches.sampler)
         object.__setattr__(self, "drop_last", batches.drop_last)
         self.shard: ShardSampler = batches.sampler
+        self.name = name
         self.target_device = device
         self._non_blocking = device is not None and device.type == "cuda" and self.pin_memory
         self._pass_epoch = -1  # the epoch of the pass under way (or last run)
@@ -139,18 +178,68 @@ class ShardLoader(DataLoader[Any]):
         self._available = 0  # samples that pass has to hand out
         self.shard_batch_size = batches.batch_size
         self._complete = False
+        self._in_pass = False
+
+    @property
+    def description(self) -> str:
+        """What identifies this loader's data when no ``name`` is given."""
+        shard = self.shard
+        return (
+            f"{type(self.dataset).__qualname__} of {shard.length} samples "
+            f"(shuffle={shard.shuffle}, pad={shard.pad})"
+        )
+
+    @property
+    def identity(self) -> str:
+        """The key its position is saved under: ``name=...`` if given, else :attr:`description`."""
+        return f"name={self.name!r}" if self.name is not None else self.description
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._pass_epoch = self.shard.epoch
         self._available = len(self.shard)  # before the pass consumes the resume point
         self._handed_out = 0
         self._complete = False
-        for batch in super().__iter__():
-            self._handed_out = min(self._handed_out + self.shard_batch_size, self._available)
-            if self.target_device is not None:
-                batch = to_device(batch, self.target_device, self._non_blocking)
-            yield batch
-        self._complete = True
+        self._in_pass = True
+        try:
+            for batch in super().__iter__():
+                self._handed_out = min(self._handed_out + self.shard_batch_size, self._available)
+                if self.target_device is not None:
+                    batch = to_device(batch, self.target_device, self._non_blocking)
+                yield batch
+            self._complete = True
+        finally:
+            self._in_pass = False
+
+    def _plan(self) -> tuple[int, int, int]:
+        """(samples skipped, samples dealt, positions done before the deal) of this pass.
+
+        The pass under way, or else the next one.
+        """
+        if self._in_pass:
+            skip, done = self.shard.skip, self.shard.done_bytes()
+        else:
+            skip, done = self.shard.plan()
+        return skip, self.shard.deal_size(done), self.shard.done_count(done)
+
+    def _batches(self, samples: int) -> int:
+        size = self.shard_batch_size
+        return samples // size if self.drop_last else -(-samples // size)
+
+    @property
+    def start(self) -> int:
+        """Batches of this epoch read before a resume; 0 in an epoch that was not resumed.
+
+        After a resume on another world size: the samples the old ranks read,
+        in batches of this world size (rounded up).
+        """
+        skip, _, done = self._plan()
+        size = self.shard_batch_size
+        return -(-skip // size) + -(-done // (size * self.shard.num_replicas))
+
+    def __len__(self) -> int:
+        """Batches in this rank's whole epoch: ``start`` + the batches a pass yields."""
+        skip, dealt, _ = self._plan()
+        return self.start + self._batches(dealt - skip)
 
     def position(self) -> tuple[int, int, bool, bytes]:
         """``(epoch, samples of this rank's deal consumed, pass complete, done mask)``.
@@ -164,12 +253,10 @@ class ShardLoader(DataLoader[Any]):
 
     def batch_numbers(self) -> tuple[int, int]:
         """(number of the batch last handed out, batches in this epoch), counted from 1."""
-        size = self.shard_batch_size
-        current = -(-(self.shard.skip + self._handed_out) // size)
-        last = -(-(self.shard.skip + self._available) // size)
-        if self.drop_last:
-            last = (self.shard.skip + self._available) // size
-        return current, last
+        return self.start + self._batches_handed_out(), len(self)
+
+    def _batches_handed_out(self) -> int:
+        return -(-self._handed_out // self.shard_batch_size)
 
     def resume(self, position: Position) -> None:
         """Continue the next pass of ``position.epoch`` where it left off."""

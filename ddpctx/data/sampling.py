@@ -114,7 +114,13 @@ class ShardSampler(Sampler[int]):
         self.epoch = epoch
 
     def resume(self, position: Position) -> None:
-        """Start the next pass of ``position.epoch`` where ``position`` left off."""
+        """Start the next pass of ``position.epoch`` where ``position`` left off.
+
+        The sampler moves to that epoch at once, so ``len(loader)`` and
+        ``loader.start`` describe the resumed epoch right after ``load_checkpoint``,
+        before ``ctx.epochs`` calls :meth:`set_epoch` with it.
+        """
+        self.epoch = position.epoch
         if position.world_size == self.num_replicas:
             self._resume = position
             return
@@ -127,7 +133,7 @@ class ShardSampler(Sampler[int]):
             position.epoch, self.num_replicas, (0,) * self.num_replicas, np.packbits(done).tobytes()
         )
 
-    def _plan(self) -> tuple[int, bytes]:
+    def plan(self) -> tuple[int, bytes]:
         """(skip, done mask) for a pass starting now."""
         resume = self._resume
         if resume is None or resume.epoch != self.epoch:
@@ -142,7 +148,7 @@ class ShardSampler(Sampler[int]):
         return torch.randperm(self.length, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        self.skip, self._done = self._plan()
+        self.skip, self._done = self.plan()
         self._resume = None  # a later pass of the same epoch (evaluation again) reads it all
         order = self.order()
         done = done_mask(self.length, self._done)
@@ -150,9 +156,17 @@ class ShardSampler(Sampler[int]):
         return iter([order[spot] for spot in spots[self.skip :]])
 
     def __len__(self) -> int:
-        skip, packed = self._plan()
-        left = self.length - int(done_mask(self.length, packed).sum()) if packed else self.length
-        return max(deal_length(self.length, self.num_replicas, self.rank, self.pad, left) - skip, 0)
+        skip, packed = self.plan()
+        return max(self.deal_size(packed) - skip, 0)
+
+    def done_count(self, packed: bytes) -> int:
+        """How many order positions the packed ``done`` mask marks."""
+        return int(done_mask(self.length, packed).sum()) if packed else 0
+
+    def deal_size(self, packed: bytes) -> int:
+        """How many samples this rank is dealt from the positions not ``done``."""
+        left = self.length - self.done_count(packed)
+        return deal_length(self.length, self.num_replicas, self.rank, self.pad, left)
 
     def done_bytes(self) -> bytes:
         """The done mask the pass under way started from."""

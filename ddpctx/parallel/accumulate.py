@@ -83,6 +83,13 @@ class Accumulation:
         return batch % self.every == 0 or batch >= last
 
     def __enter__(self) -> bool:
+        if self._skip is not None:  # the outer block's no_sync would never be left
+            raise RuntimeError(
+                "ctx.accumulate(...) is already inside `with accumulation as sync:`; one block "
+                "wraps one micro-batch and cannot be nested (the outer one would leave DDP "
+                "skipping its all-reduce for good). Close the outer block before the next "
+                "micro-batch."
+            )
         self.sync = self._is_sync_step()
         self._skip = no_sync(self.model, not self.sync, self.world_size)
         self._skip.__enter__()

@@ -11,7 +11,10 @@ statement cannot skip its body.
 :func:`atomic_dir` builds on it: rank 0 gets a temporary directory beside
 ``path`` to write into; on success it replaces ``path`` in one rename; on
 failure it is removed and ``path`` is untouched. Others get None and wait.
-Missing parent directories are created (as ``save_pretrained`` would).
+Missing parent directories are created (as ``save_pretrained`` would). A
+``path`` that is a symbolic link to a directory keeps the link: the directory
+it points to is what gets replaced. The current directory and its parents
+(``"."``, ``".."``, ``""``) cannot be replaced while in use and are refused.
 
 This module sits beside :mod:`ddpctx.rankzero.outcome` (whose protocol it reuses
 unchanged) and below :mod:`ddpctx.session.context`.
@@ -27,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +59,34 @@ def rank_zero_block(place: Place, local: bool = False) -> Iterator[bool]:
     share(Outcome(True), place, local)
 
 
+def replaceable(path: Path) -> Path:
+    """The directory ``atomic_dir(path)`` replaces: ``path``, or where its symlink points.
+
+    Refuses the current directory or one of its parents, a dangling link and a file.
+    """
+    if path.is_symlink():
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{str(path)!r} is a symbolic link to {os.readlink(path)!r}, which is not an "
+                "existing directory. Point it at a directory, or remove the link."
+            )
+        path = path.resolve()
+    absolute = Path(os.path.abspath(path))
+    here = Path.cwd()
+    if absolute == here or absolute in here.parents:
+        raise ValueError(
+            f"atomic_dir({str(path)!r}) would replace {str(absolute)!r}, the current directory "
+            "or a parent of it, which cannot be swapped while in use. Write into a "
+            "subdirectory instead, e.g. atomic_dir('model')."
+        )
+    if absolute.exists() and not absolute.is_dir():
+        raise FileExistsError(
+            f"{str(path)!r} exists and is not a directory; atomic_dir replaces directories "
+            "only. Remove it, or choose another path."
+        )
+    return absolute
+
+
 @contextlib.contextmanager
 def atomic_dir(place: Place, path: Path) -> Iterator[Path | None]:
     """Rank 0 writes a directory into the yielded temporary path; it replaces ``path`` whole."""
@@ -62,12 +94,8 @@ def atomic_dir(place: Place, path: Path) -> Iterator[Path | None]:
         if not main:
             yield None
             return
+        path = replaceable(path)
         path.parent.mkdir(parents=True, exist_ok=True)  # as save_pretrained would
-        if path.exists() and not path.is_dir():
-            raise FileExistsError(
-                f"{str(path)!r} exists and is not a directory; atomic_dir replaces directories "
-                "only. Remove it, or choose another path."
-            )
         for suffix in ("tmpdir", "old"):
             remove_abandoned(path, suffix)
         temporary = temporary_name(path, "tmpdir")

@@ -19,13 +19,13 @@ the faces; :mod:`ddpctx.session.context` makes the object.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from ddpctx.checkpoint.faces import CheckpointFaces
+from ddpctx.data.book import LoaderBook
 from ddpctx.data.faces import DataFaces
-from ddpctx.data.loader import ShardLoader
-from ddpctx.data.sampling import Position
 from ddpctx.parallel.faces import ModelFaces
 from ddpctx.rankzero.faces import RankZeroFaces
 from ddpctx.reduce.collectives import Site
@@ -82,8 +82,8 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
         self.seed: int | None = None if seed is None else seed + info.rank
         self._close = close
         self._sites: dict[str, Site] = {}
-        self._loaders: list[ShardLoader] = []
-        self._resume_positions: list[tuple[Position | None, int]] = []
+        self._loader_book = LoaderBook()
+        self._newest_checkpoints: dict[Path, str] = {}
 
     def __repr__(self) -> str:
         return (

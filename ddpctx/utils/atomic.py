@@ -143,6 +143,14 @@ def atomic_save(obj: Any, path: Path) -> None:
             f"cannot save to {str(path)!r}: no permission to create files in "
             f"{str(directory)!r} ({error.strerror}). Save to a directory you can write."
         ) from error
+    except OSError as error:
+        if error.errno != errno.EROFS:
+            raise
+        raise OSError(
+            errno.EROFS,
+            f"cannot save to {str(path)!r}: {str(directory)!r} is on a read-only file system. "
+            "Nothing was written; save to a writable directory (loading from this one works).",
+        ) from error
     sink = _FileSink(descriptor)
     try:
         try:

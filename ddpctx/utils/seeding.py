@@ -158,3 +158,85 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+#: The generator types :func:`generator_state` captures, by the label stored with the state.
+GENERATOR_KINDS: dict[str, type] = {
+    "random.Random": random.Random,
+    "numpy.random.Generator": np.random.Generator,
+    "numpy.random.RandomState": np.random.RandomState,
+    "torch.Generator": torch.Generator,
+}
+
+
+def generator_kind(obj: object) -> str | None:
+    """The label of ``obj``'s generator type, or None if it is not a generator."""
+    for label, kind in GENERATOR_KINDS.items():
+        if isinstance(obj, kind):
+            return label
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """NumPy arrays inside a generator state as int64 tensors (loadable with weights_only)."""
+    if isinstance(value, np.ndarray):
+        return {"array": torch.from_numpy(value.astype(np.int64)), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def _numpy(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"array", "dtype"}:
+        return value["array"].cpu().numpy().astype(value["dtype"])
+    if isinstance(value, dict):
+        return {key: _numpy(item) for key, item in value.items()}
+    return value
+
+
+def generator_state(obj: Any) -> dict[str, Any]:
+    """The state of one generator object, as tensors and numbers.
+
+    >>> rng = random.Random(3); state = generator_state(rng); first = rng.random()
+    >>> set_generator_state(rng, state); rng.random() == first
+    True
+    """
+    kind = generator_kind(obj)
+    if kind == "random.Random":
+        version, internal, gauss = obj.getstate()
+        state: Any = {"version": version, "state": torch.tensor(internal), "gauss": gauss}
+    elif kind == "numpy.random.Generator":
+        state = _plain(obj.bit_generator.state)
+    elif kind == "numpy.random.RandomState":
+        state = _plain(obj.get_state(legacy=False))
+    elif kind == "torch.Generator":
+        state = obj.get_state()
+    else:
+        raise TypeError(f"{type(obj).__name__} is not a random generator")
+    return {"kind": kind, "state": state}
+
+
+def set_generator_state(obj: Any, captured: dict[str, Any]) -> None:
+    """Restore what :func:`generator_state` captured into ``obj`` (of the same kind)."""
+    kind, state = captured["kind"], captured["state"]
+    if kind == "random.Random":
+        obj.setstate((state["version"], tuple(state["state"].tolist()), state["gauss"]))
+    elif kind == "numpy.random.Generator":
+        obj.bit_generator.state = _numpy(state)
+    elif kind == "numpy.random.RandomState":
+        obj.set_state(_numpy(state))
+    else:
+        obj.set_state(state.cpu())
+
+
+def reseed_generator(obj: Any, seed: int) -> None:
+    """Seed one generator object with ``seed`` (a non-negative int below 2**63)."""
+    kind = generator_kind(obj)
+    if kind == "random.Random":
+        obj.seed(seed)
+    elif kind == "numpy.random.Generator":
+        obj.bit_generator.state = type(obj.bit_generator)(seed).state
+    elif kind == "numpy.random.RandomState":
+        obj.seed(seed % 2**32)
+    else:
+        obj.manual_seed(seed)
