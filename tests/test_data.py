@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import math
+import os
 import random
 from typing import Any, NamedTuple
 
@@ -268,3 +270,40 @@ def test_fewer_samples_than_ranks_pad_to_one_each_or_leave_some_ranks_empty(
     exact = [b.tolist() for b in dist_ctx.dataloader([10, 11], batch_size=4, pad=False)]
     assert padded == [[[10], [11], [10]][dist_ctx.rank]]  # as torch's DistributedSampler pads
     assert dist_ctx.all_gather(exact) == [[[10]], [[11]], []]
+
+
+class _Finalized:
+    """Part of a reference cycle; records which process finalized it."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+        self.cycle = self
+
+    def __del__(self) -> None:
+        with open(self.record, "a") as out:
+            out.write(f"{os.getpid()}\n")
+
+
+class _CollectsInWorkers(Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        gc.collect()  # what an allocation-heavy worker does on its own, sooner or later
+        return index
+
+
+def test_a_worker_never_finalizes_what_the_rank_left_for_its_collector(tmp_path: Any) -> None:
+    """A forked worker collecting the rank's uncollected cycles aborted in gloo's destructors."""
+    record = str(tmp_path / "finalized")
+    with distributed(seed=0) as ctx:
+        loader = ctx.dataloader(_CollectsInWorkers(), batch_size=2, num_workers=2)
+        gc.disable()
+        try:
+            _Finalized(record)  # garbage the rank has not collected when the workers fork
+            assert [int(i) for batch in loader for i in batch] != []
+        finally:
+            gc.enable()
+        gc.collect()
+    with open(record) as finalized:
+        assert finalized.read().split() == [str(os.getpid())]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -200,8 +201,9 @@ class ShardLoader(DataLoader[Any]):
         self._handed_out = 0
         self._complete = False
         self._in_pass = True
+        batches = self._start_pass()
         try:
-            for batch in super().__iter__():
+            for batch in batches:
                 self._handed_out = min(self._handed_out + self.shard_batch_size, self._available)
                 if self.target_device is not None:
                     batch = to_device(batch, self.target_device, self._non_blocking)
@@ -209,6 +211,25 @@ class ShardLoader(DataLoader[Any]):
             self._complete = True
         finally:
             self._in_pass = False
+
+    def _start_pass(self) -> Iterator[Any]:
+        """DataLoader's iterator; worker processes forked now never collect the parent's objects.
+
+        A worker is a fork of the rank, which holds the process group's C++
+        objects (gloo pairs, threads). If a garbage collection in the worker
+        finalizes one of them -- an inherited cycle that the rank had not
+        collected yet -- the worker aborts (``Fatal Python error: Aborted`` while
+        ``Garbage-collecting``, seen under load). Freezing the collector across
+        the fork moves everything that exists now into the permanent generation
+        of the children; the rank unfreezes at once and collects as usual.
+        """
+        if self.num_workers == 0:
+            return super().__iter__()
+        gc.freeze()
+        try:
+            return super().__iter__()
+        finally:
+            gc.unfreeze()
 
     def _plan(self) -> tuple[int, int, int]:
         """(samples skipped, samples dealt, positions done before the deal) of this pass.
