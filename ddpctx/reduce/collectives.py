@@ -204,26 +204,10 @@ def all_reduce_tree(
     With ``async_op=True``, a :class:`Reduction` handle instead of the value.
     """
     world, device = site.transport(group)
-    values: list[Any] = []
-    structure = signature(obj, values)
-    key = plan_key(structure, op, weight, world) if structure is not None else None
-    plan = site.plans.get(key) if key is not None else None
-    if plan is None:
-        try:
-            check_op(op)
-            plan, values = Plan.make(obj, op, weight, world)
-        except (TypeError, ValueError) as error:
-            if async_op:
-                return failed_reduction(error, site, group)
-            report_failure(error, site, group)
-            raise
-        if key is not None:
-            if len(site.plans) >= _PLANS_PER_SITE:
-                site.plans.clear()
-            site.plans[key] = plan
     try:
+        plan, values = _prepare(obj, op, weight, world, site)
         buffers = plan.pack(values, device)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as error:
+    except Exception as error:  # whatever failed here, every rank must hear of it
         if async_op:
             return failed_reduction(error, site, group)
         report_failure(error, site, group)
@@ -234,6 +218,27 @@ def all_reduce_tree(
     if async_op:
         return Reduction(finish)
     return finish()
+
+
+def _prepare(
+    obj: Any, op: OpSpec, weight: str | None, world: int, site: Site
+) -> tuple[Plan, list[Any]]:
+    """The plan for ``obj``'s structure (cached per site) and its leaf values."""
+    values: list[Any] = []
+    try:
+        structure = signature(obj, values)
+    except RecursionError:  # a result that contains itself: flatten names where
+        structure = None
+    key = plan_key(structure, op, weight, world) if structure is not None else None
+    plan = site.plans.get(key) if key is not None else None
+    if plan is None:
+        check_op(op)
+        plan, values = Plan.make(obj, op, weight, world)
+        if key is not None:
+            if len(site.plans) >= _PLANS_PER_SITE:
+                site.plans.clear()
+            site.plans[key] = plan
+    return plan, values
 
 
 def _done(value: Any, async_op: bool) -> Any:

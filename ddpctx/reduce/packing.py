@@ -19,8 +19,9 @@ How leaves travel (the *layout*, a function of the structure alone):
   ``bits_per_piece`` bits (a piece summed over every rank stays an exact
   integer in that float), so a dict of floats and counts is still ONE
   collective. Integer tensors and arrays come back in their own dtype,
-  wrapped as torch's (and NumPy's) arithmetic in that dtype wraps; Python
-  ints travel as int64 and a total beyond int64 wraps like torch's int64;
+  wrapped as torch's (and NumPy's) arithmetic in that dtype wraps. Python
+  ints under "mean"/"sum" always travel as pieces in the float64 wire, so
+  their sum is exact, also beyond int64 (Python ints do not wrap);
 - weighted "mean" leaves as float64 (float32 tensors as float32): the
   product with the weight is formed in float64 first;
 - "max"/"min" of floats carry one more element: whether any rank held a NaN.
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpctx.reduce.tree import NUMPY, TENSOR, Leaf, describe, flatten
+from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf, describe, flatten
 from ddpctx.reduce.wire import Slot, Wire
 
 #: The reductions: "mean" and "sum" share the summed wire; the others use torch's ops.
@@ -203,7 +204,7 @@ class Plan:
             for wire, buffer in zip(self.wires, reduced, strict=True):
                 for slot in wire.slots:
                     if slot.leaf == weight:
-                        totals[weight] = wire.total(buffer, slot)
+                        totals[weight] = wire.total(buffer, slot, world)
         results: list[Any] = [None] * len(self.leaves)
         for wire, buffer in zip(self.wires, reduced, strict=True):
             wire.unpack(buffer, results, world, totals)
@@ -220,7 +221,9 @@ def _layout(
         for leaf, op, w in zip(leaves, ops, weights, strict=True)
         if op in ("mean", "sum") and w is None and _torch_dtype(leaf).is_floating_point
     }
-    if any(w is not None for w in weights):
+    if any(w is not None for w in weights) or any(
+        leaf.kind == PYTHON and op in ("mean", "sum") for leaf, op in zip(leaves, ops, strict=True)
+    ):  # Python ints sum exactly only as pieces (beyond int64 too)
         summed_floats.add(torch.float64)
     host = next((d for d in (torch.float64, torch.float32) if d in summed_floats), None)
     for index, (leaf, op, weight) in enumerate(zip(leaves, ops, weights, strict=True)):
