@@ -80,6 +80,21 @@ def test_python_int_sums_beyond_int64_are_exact_not_wrapped(dist_ctx: DistContex
     assert int(wrapped["t"]) == (2**62 * n + 2**63) % 2**64 - 2**63
 
 
+@pytest.mark.distributed(world_size=[2, 3], timeout=60)
+def test_python_int_products_beyond_int64_are_exact_or_refused(dist_ctx: DistContext) -> None:
+    n, rank = dist_ctx.world_size, dist_ctx.rank
+    base = 2 ** (80 // n)  # a product near 2**80, past int64
+    product = dist_ctx.all_reduce(base + rank, op="prod")
+    assert product == math.prod(base + r for r in range(n)) > 2**63
+    negative = dist_ctx.all_reduce({"p": -(3 ** (60 // n)) - rank, "loss": 1.5}, op={"p": "prod"})
+    assert negative["p"] == math.prod(-(3 ** (60 // n)) - r for r in range(n))
+    assert type(negative["p"]) is int
+    assert dist_ctx.all_reduce(7 + rank, op="prod") == math.prod(7 + r for r in range(n))
+    with pytest.raises(OverflowError, match=r"too large to compute exactly"):
+        dist_ctx.all_reduce({"huge": 2**62}, op="prod")  # beyond 2**116: refused, everywhere
+    assert dist_ctx.all_reduce(1.0, op="sum") == float(n)  # the ranks are still in step
+
+
 # 3. float32 sums next to torch's own all_reduce ---------------------------------------------
 
 

@@ -56,6 +56,7 @@ class Slot:
     pieces: int  # 1: the value itself; k > 1: an int64 cut into k exact pieces
     weight: int | None  # weighted mean: multiplied by this leaf's value before sending
     mean: bool  # divided after the sum: by the world size, or by the total weight
+    estimate: bool = False  # a Python int product's float64 estimate (see packing.exact_product)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Wire:
     targets: list[Any] = field(default_factory=list)  # per slot
     first_pieces: int = 0  # slots from here on are integers in pieces
     int_scalars: str = ""  # those integers: all 0-d tensors (TENSOR), all numbers (PYTHON)
+    estimates: list[Slot] = field(default_factory=list)  # read by the plan, not unpacked here
     _flags: dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def prepare(self, leaves: Sequence[Leaf], targets: Sequence[Any]) -> None:
@@ -90,6 +92,7 @@ class Wire:
         elif ints and all(leaf.kind != TENSOR and not leaf.shape for leaf in ints):
             self.int_scalars = PYTHON
         self.targets = [targets[slot.leaf] for slot in self.slots]
+        self.estimates = [slot for slot in self.slots if slot.estimate]
         plain = all(s.pieces == 1 and s.weight is None for s in self.slots)
         if not self.slots or self.nan_marker:
             return
@@ -272,6 +275,8 @@ class Wire:
         if self.unpacking == "numbers":
             numbers = reduced.tolist()
             for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
+                if slot.estimate:
+                    continue
                 number: Any = numbers[slot.start]
                 if slot.pieces > 1:
                     number = self._joined(numbers[slot.start : slot.start + slot.pieces], world)
@@ -281,6 +286,8 @@ class Wire:
             return
         joined = self._join(reduced, world) if self.first_pieces < len(self.slots) else None
         for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
+            if slot.estimate:
+                continue
             if slot.pieces > 1 and leaf.kind == PYTHON:  # exact, also beyond int64
                 pieces = reduced[slot.start : slot.start + slot.pieces].tolist()
                 number = self._joined(pieces, world)
