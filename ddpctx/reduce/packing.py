@@ -178,6 +178,7 @@ class Plan:
     wires: list[Wire]
     lines: list[str]  # the canonical description every rank compares
     targets: list[Any]
+    fast: Any = None  # its :class:`~ddpctx.reduce.fastpath.FastPath`, where it has one
 
     @classmethod
     def make(cls, obj: Any, op: OpSpec, weight: str | None, world: int) -> tuple[Plan, list[Any]]:

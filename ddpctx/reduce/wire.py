@@ -337,13 +337,7 @@ def _as_int64(value: Any, device: torch.device) -> torch.Tensor:
         return value.detach().reshape(-1).to(device, torch.int64)
     if isinstance(value, np.ndarray):
         return _from_numpy(value).reshape(-1).to(device, torch.int64)
-    number = int(value)
-    if not -(2**63) <= number < 2**63:
-        raise OverflowError(
-            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
-            "float (float(x)) or split it."
-        )
-    return torch.tensor([number], dtype=torch.int64, device=device)
+    return torch.tensor([_number(value, torch.int64)], dtype=torch.int64, device=device)
 
 
 def _number(value: Any, dtype: torch.dtype) -> Any:
