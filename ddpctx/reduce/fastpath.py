@@ -187,6 +187,7 @@ class FastPath:
         """The result from the reduced buffer (``numbers``: its ``tolist()``, when read)."""
         world = self.world
         start = 1 if world > 1 else 0
+        values: Any
         if self.tensors and numbers is not None and self.from_numbers:
             # float64 sums already read as Python floats: divided there (the same IEEE
             # division) and rounded once to the leaves' dtype by one torch.tensor --
@@ -206,7 +207,7 @@ class FastPath:
             target = self.target
             if not target.is_floating_point and body.is_floating_point():
                 body = body.round()
-            values: Any = body.to(self.device, target).unbind(0)
+            values = body.to(self.device, target).unbind(0)
         else:
             if numbers is None:
                 numbers = reduced.tolist()
