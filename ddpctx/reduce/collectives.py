@@ -1,9 +1,10 @@
 """Reducing nested metrics in as few collectives as the dtypes allow.
 
-Why one module (a little over 400 lines): the protocol below -- agree,
-send, detect a change, fail on every rank -- is one state machine whose
-steps share the :class:`Site`; split, each half would be unreadable alone.
-Object broadcast and gather live in :mod:`ddpctx.reduce.objects`.
+Why one module (under 500 lines): the protocol below -- agree, send,
+detect a change, fail on every rank -- is one state machine whose steps
+share the :class:`Site`; split, each half would be unreadable alone. Object
+broadcast and gather live in :mod:`ddpctx.reduce.objects`, the steady
+state's packing in :mod:`ddpctx.reduce.fastpath`.
 
 The reduction protocol
 ----------------------
@@ -31,6 +32,14 @@ So each call site *agrees* on a structure once, then carries one flag element:
   mismatch: a :class:`ReductionError` saying which keys differ on which
   rank, at which call sites), or every rank adopts the new layout and the
   reduction is done again with it.
+
+The steady state has a fast path (:class:`~ddpctx.reduce.fastpath.FastPath`)
+for the commonest results -- a 0-d tensor, a Python float, a flat dict of
+either: with the site agreed in this group, a result of the agreed structure
+is packed without planning, sent with its flag down in one synchronous
+collective, and read back from the buffer. Any other result, or a raised
+flag in the reply, goes to the general path below, so the fast path decides
+nothing the general path would decide otherwise.
 
 Only the structure is compared, never the call site: the same reduction
 written on two lines of a rank-dependent ``if`` agrees. The layout, and so
@@ -67,6 +76,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from ddpctx.reduce.fastpath import FastPath
 from ddpctx.reduce.packing import OPS, OpSpec, Plan, plan_key
 from ddpctx.reduce.tree import signature
 from ddpctx.reduce.wire import Wire
@@ -104,6 +114,7 @@ class Site:
     plans: dict[Any, Plan] = field(default_factory=dict)
     agreed: Plan | None = None
     group: Callable[[], Any] | None = None  # weak reference to the group of `agreed`
+    fast: FastPath | None = None  # the steady state of `agreed`, where it has one
 
     _transport: tuple[Any, int, torch.device] | None = None
 
@@ -121,7 +132,9 @@ class Site:
         return self.agreed if self.group is not None and self.group() is group else None
 
     def agree(self, plan: Plan, group: Any) -> None:
-        self.agreed, self.group = plan, weakref.ref(group)
+        """Every rank of ``group`` (None: no process group) has this plan from now on."""
+        self.agreed, self.fast = plan, plan.fast
+        self.group = weakref.ref(group) if group is not None else _no_group
 
 
 def check_op(op: object) -> None:
@@ -149,6 +162,10 @@ def comm_device(group: Any = None) -> torch.device:
 
 def _the_group(group: Any) -> Any:
     return group if group is not None else dist.group.WORLD
+
+
+def _no_group() -> None:
+    return None
 
 
 class Reduction(Generic[T]):
@@ -203,37 +220,85 @@ def all_reduce_tree(
 
     With ``async_op=True``, a :class:`Reduction` handle instead of the value.
     """
+    fast = site.fast
+    if (
+        fast is not None
+        and site.group() is (group if group is not None else dist.group.WORLD)  # type: ignore[misc]
+        and fast.matches(op, weight)
+    ):
+        buffer = fast.pack(obj)
+        if buffer is not None:
+            return _send_fast(fast, buffer, obj, site, group, async_op)
     world, device = site.transport(group)
-    values: list[Any] = []
-    structure = signature(obj, values)
-    key = plan_key(structure, op, weight, world) if structure is not None else None
-    plan = site.plans.get(key) if key is not None else None
-    if plan is None:
-        try:
-            check_op(op)
-            plan, values = Plan.make(obj, op, weight, world)
-        except (TypeError, ValueError) as error:
-            if async_op:
-                return failed_reduction(error, site, group)
-            report_failure(error, site, group)
-            raise
-        if key is not None:
-            if len(site.plans) >= _PLANS_PER_SITE:
-                site.plans.clear()
-            site.plans[key] = plan
     try:
+        plan, values = _prepare(obj, op, weight, world, site, device)
         buffers = plan.pack(values, device)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as error:
+    except Exception as error:  # whatever failed here, every rank must hear of it
         if async_op:
             return failed_reduction(error, site, group)
         report_failure(error, site, group)
         raise
     if world == 1:
+        site.agree(plan, _the_group(group) if dist.is_initialized() else None)
         return _done(_local(plan, values, buffers, device), async_op)
     finish = _send(plan, values, buffers, site, group, device, world)
     if async_op:
         return Reduction(finish)
     return finish()
+
+
+def _prepare(
+    obj: Any, op: OpSpec, weight: str | None, world: int, site: Site, device: torch.device
+) -> tuple[Plan, list[Any]]:
+    """The plan for ``obj``'s structure (cached per site) and its leaf values."""
+    values: list[Any] = []
+    try:
+        structure = signature(obj, values)
+    except RecursionError:  # a result that contains itself: flatten names where
+        structure = None
+    key = plan_key(structure, op, weight, world) if structure is not None else None
+    plan = site.plans.get(key) if key is not None else None
+    if plan is None:
+        check_op(op)
+        plan, values = Plan.make(obj, op, weight, world)
+        plan.fast = FastPath.of(plan, obj, op, weight, world, device)
+        if key is not None:
+            if len(site.plans) >= _PLANS_PER_SITE:
+                site.plans.clear()
+            site.plans[key] = plan
+    return plan, values
+
+
+def _send_fast(
+    fast: FastPath, buffer: torch.Tensor, obj: Any, site: Site, group: Any, async_op: bool
+) -> Any:
+    """The steady state: one collective, the flag read, the result read back."""
+    if fast.world == 1:
+        return _done(fast.unpack(buffer), async_op)
+    op = _TORCH_OPS[fast.wire.op]
+    if not async_op:
+        dist.all_reduce(buffer, op=op, group=group)
+        return _finish_fast(fast, buffer, obj, site, group)
+    work = dist.all_reduce(buffer, op=op, group=group, async_op=True)
+
+    def finish() -> Any:
+        work.wait()
+        return _finish_fast(fast, buffer, obj, site, group)
+
+    return Reduction(finish)
+
+
+def _finish_fast(fast: FastPath, buffer: torch.Tensor, obj: Any, site: Site, group: Any) -> Any:
+    numbers = buffer.tolist()  # a few elements: cheaper than reading one of them
+    if not fast.wire.flag_raised(numbers[0]):
+        return fast.unpack(buffer, numbers)
+    # Another rank's structure changed, or it failed: the slow path, as in _send.
+    world, device = site.transport(group)
+    plan, values = _prepare(obj, fast.op, fast.weight, world, site, device)
+    buffers = plan.pack(values, device)
+    _agree(plan, None, site, group, world)
+    dist.all_reduce(buffers[0], op=_TORCH_OPS[plan.wires[0].op], group=group)
+    return _rest(plan, values, buffers, group, device, world)
 
 
 def _done(value: Any, async_op: bool) -> Any:

@@ -19,8 +19,9 @@ How leaves travel (the *layout*, a function of the structure alone):
   ``bits_per_piece`` bits (a piece summed over every rank stays an exact
   integer in that float), so a dict of floats and counts is still ONE
   collective. Integer tensors and arrays come back in their own dtype,
-  wrapped as torch's (and NumPy's) arithmetic in that dtype wraps; Python
-  ints travel as int64 and a total beyond int64 wraps like torch's int64;
+  wrapped as torch's (and NumPy's) arithmetic in that dtype wraps. Python
+  ints under "mean"/"sum" always travel as pieces in the float64 wire, so
+  their sum is exact, also beyond int64 (Python ints do not wrap);
 - weighted "mean" leaves as float64 (float32 tensors as float32): the
   product with the weight is formed in float64 first;
 - "max"/"min" of floats carry one more element: whether any rank held a NaN.
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpctx.reduce.tree import NUMPY, TENSOR, Leaf, describe, flatten
+from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf, describe, flatten
 from ddpctx.reduce.wire import Slot, Wire
 
 #: The reductions: "mean" and "sum" share the summed wire; the others use torch's ops.
@@ -177,6 +178,7 @@ class Plan:
     wires: list[Wire]
     lines: list[str]  # the canonical description every rank compares
     targets: list[Any]
+    fast: Any = None  # its :class:`~ddpctx.reduce.fastpath.FastPath`, where it has one
 
     @classmethod
     def make(cls, obj: Any, op: OpSpec, weight: str | None, world: int) -> tuple[Plan, list[Any]]:
@@ -203,24 +205,52 @@ class Plan:
             for wire, buffer in zip(self.wires, reduced, strict=True):
                 for slot in wire.slots:
                     if slot.leaf == weight:
-                        totals[weight] = wire.total(buffer, slot)
+                        totals[weight] = wire.total(buffer, slot, world)
         results: list[Any] = [None] * len(self.leaves)
         for wire, buffer in zip(self.wires, reduced, strict=True):
             wire.unpack(buffer, results, world, totals)
+        for wire, buffer in zip(self.wires, reduced, strict=True):
+            for slot in wire.estimates:
+                estimate = float(buffer[slot.start])
+                results[slot.leaf] = exact_product(
+                    results[slot.leaf], estimate, world, self.leaves[slot.leaf].path
+                )
         return self.rebuild(results)
+
+
+def exact_product(wrapped: int, estimate: float, world: int, path: str) -> int:
+    """A product of Python ints, exact: its int64 product (wrapped) and its float64 one.
+
+    The float64 product is within ``2 * world`` roundings of the exact one, so
+    while that error is below 2**63 it names the one multiple of 2**64 that the
+    int64 product lost. Beyond that, an :class:`OverflowError` (on every rank:
+    they all hold the same two numbers).
+
+    >>> exact_product(0, 2.0**64, world=2, path="x")
+    18446744073709551616
+    """
+    if math.isfinite(estimate) and abs(estimate) * 4 * world * 2.0**-53 < 2.0**62:
+        return wrapped + round((estimate - wrapped) / 2.0**64) * 2**64
+    raise OverflowError(
+        f"{path}: the product of the Python ints over {world} ranks is about {estimate:.3g}, "
+        "too large to compute exactly. Reduce it as a float (float(x)) or its logarithm."
+    )
 
 
 def _layout(
     leaves: Sequence[Leaf], ops: Sequence[str], weights: Sequence[int | None], world: int
 ) -> list[Wire]:
     """Which leaves travel in which wire, in which dtype: a function of the structure only."""
-    members: dict[tuple[str, torch.dtype], list[tuple[int, int]]] = {}  # -> [(leaf, pieces)]
+    # (op, dtype) -> [(leaf, pieces, whether it is a product's float64 estimate)]
+    members: dict[tuple[str, torch.dtype], list[tuple[int, int, bool]]] = {}
     summed_floats = {
         _wire_float(leaf)
         for leaf, op, w in zip(leaves, ops, weights, strict=True)
         if op in ("mean", "sum") and w is None and _torch_dtype(leaf).is_floating_point
     }
-    if any(w is not None for w in weights):
+    if any(w is not None for w in weights) or any(
+        leaf.kind == PYTHON and op in ("mean", "sum") for leaf, op in zip(leaves, ops, strict=True)
+    ):  # Python ints sum exactly only as pieces (beyond int64 too)
         summed_floats.add(torch.float64)
     host = next((d for d in (torch.float64, torch.float32) if d in summed_floats), None)
     for index, (leaf, op, weight) in enumerate(zip(leaves, ops, weights, strict=True)):
@@ -235,7 +265,10 @@ def _layout(
             dtype, pieces = host, _pieces(host, world)
         else:
             dtype = torch.int64
-        members.setdefault((wire_op, dtype), []).append((index, pieces))
+        members.setdefault((wire_op, dtype), []).append((index, pieces, False))
+        if wire_op == "prod" and leaf.kind == PYTHON and leaf.native is int:
+            # its float64 product too, to tell the exact product from the int64 one
+            members.setdefault(("prod", torch.float64), []).append((index, 1, True))
     order = [
         (wire_op, dtype)
         for wire_op in _WIRE_OPS
@@ -254,9 +287,10 @@ def _layout(
         slots = []
         bits = _bits(dtype, world)
         plain_first = sorted(members[(wire_op, dtype)], key=lambda member: member[1] > 1)
-        for index, pieces in plain_first:  # the integers in pieces last: cut and joined at once
+        for index, pieces, estimate in plain_first:  # integers in pieces last: cut, joined at once
             count = math.prod(leaves[index].shape)
-            slots.append(Slot(index, start, count, pieces, weights[index], ops[index] == "mean"))
+            mean = ops[index] == "mean"
+            slots.append(Slot(index, start, count, pieces, weights[index], mean, estimate))
             start += count * pieces
         nan_marker = wire_op in ("max", "min") and dtype.is_floating_point
         wires.append(Wire(wire_op, dtype, slots, start + nan_marker, flag, nan_marker, bits))

@@ -106,22 +106,24 @@ def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], 
     """Leaves of ``obj`` in a fixed order, their values, and a function rebuilding ``obj``."""
     leaves: list[Leaf] = []
     values: list[Any] = []
+    enclosing: set[int] = set()  # containers on the way down: a result may not contain itself
 
     def walk(
         node: Any, path: str, keys: tuple[Hashable, ...], parents: tuple[int, ...], key: Any
     ) -> Any:
         """Record the leaves; return a template: an index into leaves, or a container."""
-        if isinstance(node, dict):
-            inner = (*parents, id(node))
-            children = [
-                (k, walk(v, f"{path}[{k!r}]", (*keys, k), inner, k)) for k, v in node.items()
-            ]
-            if isinstance(node, defaultdict):
-                return (_Refill(type(node), node.default_factory), children)
-            return (type(node), children)
-        if isinstance(node, (list, tuple)):
-            children = [walk(v, f"{path}[{i}]", keys, parents, None) for i, v in enumerate(node)]
-            return (type(node), children)
+        if isinstance(node, (dict, list, tuple)):
+            if id(node) in enclosing:
+                raise ValueError(
+                    f"{path or 'the result'} is the {type(node).__name__} that encloses it: the "
+                    "result contains itself, so it cannot be reduced. Return a tree of "
+                    "numbers (e.g. a fresh dict of the metrics)."
+                )
+            enclosing.add(id(node))
+            try:
+                return walk_container(node, path, keys, parents)
+            finally:
+                enclosing.discard(id(node))
         try:
             described = _describe_leaf(node)
         except TypeError:
@@ -134,6 +136,20 @@ def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], 
         leaves.append(Leaf(path or "<result>", keys, key, parents, *described))
         values.append(node)
         return len(leaves) - 1
+
+    def walk_container(
+        node: Any, path: str, keys: tuple[Hashable, ...], parents: tuple[int, ...]
+    ) -> Any:
+        if isinstance(node, dict):
+            inner = (*parents, id(node))
+            children = [
+                (k, walk(v, f"{path}[{k!r}]", (*keys, k), inner, k)) for k, v in node.items()
+            ]
+            if isinstance(node, defaultdict):
+                return (_Refill(type(node), node.default_factory), children)
+            return (type(node), children)
+        items = [walk(v, f"{path}[{i}]", keys, parents, None) for i, v in enumerate(node)]
+        return (type(node), items)
 
     template = walk(obj, "", (), (), None)
     if type(obj) is dict and all(isinstance(child, int) for _, child in template[1]):

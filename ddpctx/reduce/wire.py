@@ -38,6 +38,7 @@ import torch
 from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf, flatten
 
 _INT64 = 2**64
+_SIGN_BIT = -(2**63)  # as an int64: XOR with it adds 2**63 modulo 2**64
 
 
 def leaf_of(value: Any) -> Leaf:
@@ -55,6 +56,7 @@ class Slot:
     pieces: int  # 1: the value itself; k > 1: an int64 cut into k exact pieces
     weight: int | None  # weighted mean: multiplied by this leaf's value before sending
     mean: bool  # divided after the sum: by the world size, or by the total weight
+    estimate: bool = False  # a Python int product's float64 estimate (see packing.exact_product)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Wire:
     targets: list[Any] = field(default_factory=list)  # per slot
     first_pieces: int = 0  # slots from here on are integers in pieces
     int_scalars: str = ""  # those integers: all 0-d tensors (TENSOR), all numbers (PYTHON)
+    estimates: list[Slot] = field(default_factory=list)  # read by the plan, not unpacked here
     _flags: dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def prepare(self, leaves: Sequence[Leaf], targets: Sequence[Any]) -> None:
@@ -89,6 +92,7 @@ class Wire:
         elif ints and all(leaf.kind != TENSOR and not leaf.shape for leaf in ints):
             self.int_scalars = PYTHON
         self.targets = [targets[slot.leaf] for slot in self.slots]
+        self.estimates = [slot for slot in self.slots if slot.estimate]
         plain = all(s.pieces == 1 and s.weight is None for s in self.slots)
         if not self.slots or self.nan_marker:
             return
@@ -208,19 +212,30 @@ class Wire:
         return torch.cat([_as_int64(value, device) for value in mine])
 
     def _cut(self, ints: torch.Tensor) -> torch.Tensor:
-        """An int64 vector as exact non-negative pieces, ``pieces`` per value (two's complement)."""
+        """An int64 vector as exact non-negative pieces, ``pieces`` per value.
+
+        Each value ``v`` is cut as ``v + 2**63`` (the sign bit flipped), which
+        lies in ``[0, 2**64)``: the pieces summed over ``n`` ranks then give
+        the exact sum plus ``n * 2**63``, so a sum beyond int64 is known
+        exactly, not only modulo 2**64.
+        """
         bits = self.bits_per_piece
         pieces = self.slots[-1].pieces
         shifts = torch.arange(0, bits * pieces, bits, device=ints.device)
-        return ((ints.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1).to(self.dtype)
+        masks = torch.tensor(  # the top piece holds only what is left of the 64 bits
+            [(1 << min(bits, 64 - bits * k)) - 1 for k in range(pieces)], device=ints.device
+        )
+        offset = ints ^ _SIGN_BIT
+        return ((offset.unsqueeze(1) >> shifts) & masks).reshape(-1).to(self.dtype)
 
-    def _join(self, reduced: torch.Tensor) -> torch.Tensor:
+    def _join(self, reduced: torch.Tensor, world: int) -> torch.Tensor:
         """The int64 sums of every pieces slot, from the reduced pieces (wrapping like int64)."""
         pieces = self.slots[-1].pieces
         start = self.slots[self.first_pieces].start
         exact = reduced[start:].reshape(-1, pieces).to(torch.int64)
         shifts = torch.arange(0, self.bits_per_piece * pieces, self.bits_per_piece)
-        return (exact << shifts.to(exact.device)).sum(dim=1)  # modulo 2**64, like int64
+        total = (exact << shifts.to(exact.device)).sum(dim=1)  # modulo 2**64, like int64
+        return total ^ _SIGN_BIT if world % 2 else total  # minus world * 2**63, modulo 2**64
 
     def nan_seen(self, reduced: torch.Tensor) -> bool:
         if not self.nan_marker:
@@ -229,14 +244,14 @@ class Wire:
         return value > 0.5 if self.op == "max" else value < -0.5
 
     def values(
-        self, reduced: torch.Tensor, slot: Slot, joined: torch.Tensor | None = None
+        self, reduced: torch.Tensor, slot: Slot, world: int, joined: torch.Tensor | None = None
     ) -> torch.Tensor:
         """One leaf's reduced values, flat: in the wire dtype, or int64 for pieces."""
         start = slot.start
         if slot.pieces == 1:
             return reduced[start : start + slot.count]
         if joined is None:
-            joined = self._join(reduced)
+            joined = self._join(reduced, world)
         first = (start - self.slots[self.first_pieces].start) // slot.pieces
         return joined[first : first + slot.count]
 
@@ -248,6 +263,8 @@ class Wire:
             start = int(self.flag)
             body = reduced[start : start + len(self.slots)]
             if self.slots[0].mean and world > 1:
+                if not body.is_floating_point():  # a mean of integer tensors is a float
+                    body = body.to(torch.float64)
                 body = body.div_(world)  # the buffer is ours: in place
             target, leaf = self.targets[0], self.leaves[0]
             if not target.is_floating_point and body.is_floating_point():
@@ -258,30 +275,45 @@ class Wire:
         if self.unpacking == "numbers":
             numbers = reduced.tolist()
             for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
+                if slot.estimate:
+                    continue
                 number: Any = numbers[slot.start]
                 if slot.pieces > 1:
-                    number = self._joined(numbers[slot.start : slot.start + slot.pieces])
+                    number = self._joined(numbers[slot.start : slot.start + slot.pieces], world)
                 if slot.mean:
                     number = _divided(number, world if slot.weight is None else totals[slot.weight])
                 results[slot.leaf] = _scalar(leaf, target, number)
             return
-        joined = self._join(reduced) if self.first_pieces < len(self.slots) else None
+        joined = self._join(reduced, world) if self.first_pieces < len(self.slots) else None
         for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
-            value = self.values(reduced, slot, joined)
+            if slot.estimate:
+                continue
+            if slot.pieces > 1 and leaf.kind == PYTHON:  # exact, also beyond int64
+                pieces = reduced[slot.start : slot.start + slot.pieces].tolist()
+                number = self._joined(pieces, world)
+                if slot.mean:
+                    number = _divided(number, world if slot.weight is None else totals[slot.weight])
+                results[slot.leaf] = _scalar(leaf, target, number)
+                continue
+            value = self.values(reduced, slot, world, joined)
             if slot.mean:  # the buffer (or the joined pieces) is ours: divide in place
                 if not value.is_floating_point():
                     value = value.to(torch.float64)
                 value = value.div_(world if slot.weight is None else totals[slot.weight])
             results[slot.leaf] = _finish(leaf, target, value)
 
-    def _joined(self, pieces: Sequence[float]) -> int:
-        total = sum(round(piece) << (self.bits_per_piece * k) for k, piece in enumerate(pieces))
-        total %= _INT64
-        return total - _INT64 if total >= _INT64 // 2 else total
+    def _joined(self, pieces: Sequence[float], world: int) -> int:
+        """The exact sum of a value cut into pieces on every rank (see :meth:`_cut`)."""
+        offset = sum(round(piece) << (self.bits_per_piece * k) for k, piece in enumerate(pieces))
+        return offset - world * 2**63
 
-    def total(self, reduced: torch.Tensor, slot: Slot) -> float:
+    def total(self, reduced: torch.Tensor, slot: Slot, world: int) -> float:
         """A weight leaf's reduced value, as a float."""
-        return float(self.values(reduced, slot).reshape(-1)[0])
+        if slot.pieces > 1:
+            return float(
+                self._joined(reduced[slot.start : slot.start + slot.pieces].tolist(), world)
+            )
+        return float(reduced[slot.start])
 
 
 def _times(value: Any, weight: Any) -> Any:
@@ -305,13 +337,7 @@ def _as_int64(value: Any, device: torch.device) -> torch.Tensor:
         return value.detach().reshape(-1).to(device, torch.int64)
     if isinstance(value, np.ndarray):
         return _from_numpy(value).reshape(-1).to(device, torch.int64)
-    number = int(value)
-    if not -(2**63) <= number < 2**63:
-        raise OverflowError(
-            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
-            "float (float(x)) or split it."
-        )
-    return torch.tensor([number], dtype=torch.int64, device=device)
+    return torch.tensor([_number(value, torch.int64)], dtype=torch.int64, device=device)
 
 
 def _number(value: Any, dtype: torch.dtype) -> Any:
@@ -359,8 +385,9 @@ def _scalar(leaf: Leaf, target: Any, number: Any) -> Any:
     kind = target.kind
     if kind == "b":
         return np.bool_(number != 0)
-    if kind in "iu":
-        return np.array(int(number), dtype=np.int64).astype(target)[()]
+    if kind in "iu":  # wrapped as NumPy's arithmetic in that dtype wraps
+        wrapped = (int(number) + 2**63) % _INT64 - 2**63
+        return np.array(wrapped, dtype=np.int64).astype(target)[()]
     return target.type(number)
 
 

@@ -1,0 +1,317 @@
+"""The steady-state fast path of a call site (ddpctx.reduce.fastpath), on 2 and 3 real ranks.
+
+Once every rank agreed on a site's structure, a call packs, reduces and reads
+back with the least Python. These tests hold it to the general path: the same
+results bit for bit (a differential test against a fresh site, which always
+takes the general path), one collective per call, and every way a rank can
+leave the steady state -- other keys, another dtype, another shape, another
+leaf type, a failure, async handles -- still ends in the same clean error on
+every rank (DESIGN section 8), never a gloo abort or a silent wrong sum.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import ddpctx
+from ddpctx import DistContext, HangError, RankError, ReductionError, launch
+from ddpctx.reduce import collectives
+from ddpctx.reduce.collectives import Site, all_reduce_tree
+
+RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=120)
+FAST = 5.0  # seconds within which a failure must reach every rank
+SETTINGS = settings(
+    max_examples=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=list(HealthCheck),
+)
+# None: Python floats. Integers and bools read back through the buffer, floats through tolist().
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, None]
+INTEGERS = [torch.int64, torch.int32, torch.bool]
+
+
+class Counted:
+    """Counts the collectives and the general path's planning calls (the real ones run)."""
+
+    def __enter__(self) -> Counted:
+        self.reduces = self.gathers = self.prepares = 0
+        self.originals = (dist.all_reduce, dist.all_gather_object, collectives._prepare)
+
+        def all_reduce(*args: Any, **kwargs: Any) -> Any:
+            self.reduces += 1
+            return self.originals[0](*args, **kwargs)
+
+        def all_gather_object(*args: Any, **kwargs: Any) -> Any:
+            self.gathers += 1
+            return self.originals[1](*args, **kwargs)
+
+        def prepare(*args: Any, **kwargs: Any) -> Any:
+            self.prepares += 1
+            return self.originals[2](*args, **kwargs)
+
+        dist.all_reduce, dist.all_gather_object = all_reduce, all_gather_object  # type: ignore[assignment]
+        collectives._prepare = prepare  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce, dist.all_gather_object, collectives._prepare = self.originals  # type: ignore[assignment]
+
+
+def metrics(dtype: torch.dtype | None, numbers: list[float]) -> dict[str, Any]:
+    if dtype is None:
+        return {f"m{i}": float(x) for i, x in enumerate(numbers)}
+    return {f"m{i}": torch.tensor(x, dtype=dtype) for i, x in enumerate(numbers)}
+
+
+def same(got: Any, want: Any) -> bool:
+    """Bit for bit: the same keys, leaf types, dtypes and values (NaN equal to NaN)."""
+    if type(got) is not type(want) or got.keys() != want.keys():
+        return False
+    for key, value in want.items():
+        mine = got[key]
+        if type(mine) is not type(value):
+            return False
+        if isinstance(value, torch.Tensor):
+            if mine.dtype != value.dtype or mine.shape != value.shape:
+                return False
+            if not torch.equal(mine.nan_to_num(7.0), value.nan_to_num(7.0)):
+                return False
+        elif not (mine == value or (mine != mine and value != value)):
+            return False
+    return True
+
+
+@RANKS
+def test_the_fast_path_equals_the_general_path_bit_for_bit(dist_ctx: DistContext) -> None:
+    rank, n = dist_ctx.rank, dist_ctx.world_size
+
+    @SETTINGS
+    @given(
+        dtype=st.sampled_from(DTYPES + INTEGERS),
+        op=st.sampled_from(["mean", "sum", "prod", "max", "min"]),
+        count=st.integers(1, 40),
+        seed=st.integers(0, 2**16),
+    )
+    def check(dtype: torch.dtype | None, op: str, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed * 7 + rank)
+        site = Site("steady")
+        problems = []
+        # float max/min carry a NaN marker, an integer product a float64 sum wire
+        # for its flag: those stay on the general path
+        integer = dtype in INTEGERS
+        fast_path = op != "prod" if integer else op in ("mean", "sum", "prod")
+        for step in range(4):
+            numbers = (torch.randn(count, generator=generator) * 10 ** (step - 1)).tolist()
+            if integer:
+                numbers = [float(round(x)) for x in numbers]
+            mine = metrics(dtype, numbers)
+            with Counted() as counted:
+                fast = all_reduce_tree(mine, op, site=site)
+            general = all_reduce_tree(mine, op, site=Site("fresh"))  # always the general path
+            took = (counted.reduces, counted.gathers, counted.prepares) == (1, 0, 0)
+            if step > 0 and fast_path and not took:
+                problems.append(f"step {step}: not the fast path {vars(counted)}")
+            if not same(fast, general):
+                problems.append(f"step {step}: fast {fast} != general {general}")
+            if any(fast[key] is mine[key] for key in mine):
+                problems.append("a result is this rank's own input object")
+        # and against torch's own collective on a float64 buffer, rounded once
+        if dtype is not None and not integer and op in ("mean", "sum"):
+            flat = torch.tensor(numbers, dtype=dtype).to(torch.float64)
+            dist.all_reduce(flat)
+            want = (flat / n if op == "mean" else flat).to(dtype)
+            if not torch.equal(torch.stack(list(fast.values())), want):
+                problems.append(f"fast {fast} != torch's float64 all_reduce {want}")
+        agreed = dist_ctx.all_gather(problems)
+        assert not any(agreed), agreed
+
+    check()
+
+
+@RANKS
+def test_a_loss_takes_one_collective_and_no_planning_once_steady(dist_ctx: DistContext) -> None:
+    site = Site("loss")
+    for step in range(3):
+        loss = torch.tensor(float(dist_ctx.rank + step))
+        with Counted() as counted:
+            result = all_reduce_tree(loss, site=site)
+        assert result.item() == (dist_ctx.world_size - 1) / 2 + step
+    assert (counted.reduces, counted.gathers, counted.prepares) == (1, 0, 0)
+    assert site.fast is not None
+
+
+def steady(dist_ctx: DistContext, fn: Any, calls: int = 3) -> None:
+    for _ in range(calls):
+        fn(False)
+    assert any(site.fast is not None for site in dist_ctx._sites.values())
+
+
+def error_everywhere(fn: Any, error: type[BaseException]) -> BaseException:
+    started = time.monotonic()
+    with pytest.raises(error) as raised:
+        fn()
+    assert time.monotonic() - started < FAST
+    return raised.value
+
+
+@RANKS
+@pytest.mark.parametrize(
+    ("changed", "says"),
+    [
+        ({"loss": torch.tensor(1.0)}, "rank {last} lacks ['acc']"),
+        ({"loss": torch.tensor(1.0), "f1": torch.tensor(1.0)}, "lacks ['acc']; adds ['f1']"),
+        (
+            {"loss": torch.tensor(1.0), "acc": torch.tensor(1.0, dtype=torch.float64)},
+            "has ['acc'] as tensor:torch.float64[] mean (rank 0: tensor:torch.float32[] mean)",
+        ),
+        (
+            {"loss": torch.tensor(1.0), "acc": torch.tensor([1.0])},
+            "has ['acc'] as tensor:torch.float32[1] mean (rank 0: tensor:torch.float32[] mean)",
+        ),
+        (
+            {"loss": torch.tensor(1.0), "acc": 1.0},
+            "has ['acc'] as python:float[] mean (rank 0: tensor:torch.float32[] mean)",
+        ),
+        ({"acc": torch.tensor(1.0), "loss": torch.tensor(1.0)}, "same leaves in another order"),
+    ],
+    ids=["fewer-keys", "renamed-key", "dtype", "shape", "leaf-type", "order"],
+)
+def test_leaving_the_steady_state_on_one_rank_is_an_error_on_every_rank(
+    dist_ctx: DistContext, changed: dict[str, Any], says: str
+) -> None:
+    last = dist_ctx.world_size - 1
+
+    def step(change: bool) -> Any:
+        result = {"loss": torch.tensor(float(dist_ctx.rank)), "acc": torch.tensor(0.5)}
+        return dist_ctx.all_reduce(changed if change and dist_ctx.rank == last else result)
+
+    steady(dist_ctx, step)
+    error = error_everywhere(lambda: step(True), ReductionError)
+    assert "ranks returned different structures" in str(error)
+    assert says.format(last=last) in str(error)
+    # back in step: the agreed structure reduces again, on the fast path
+    assert step(False)["loss"].item() == (dist_ctx.world_size - 1) / 2
+    with Counted() as counted:
+        assert step(False)["acc"].item() == 0.5
+    assert (counted.reduces, counted.gathers) == (1, 0)
+
+
+@RANKS
+def test_every_rank_switching_together_adopts_the_new_structure(dist_ctx: DistContext) -> None:
+    rank, n = dist_ctx.rank, dist_ctx.world_size
+
+    def step(dtype: torch.dtype, keys: tuple[str, ...]) -> Any:
+        return dist_ctx.all_reduce({key: torch.tensor(float(rank), dtype=dtype) for key in keys})
+
+    for dtype, keys in [
+        (torch.float32, ("a", "b")),
+        (torch.float64, ("a", "b")),  # another dtype on every rank: agreed again
+        (torch.float64, ("a", "b", "c")),  # another key
+        (torch.float32, ("a", "b")),  # back to the first: its plan is cached
+    ]:
+        first = step(dtype, keys)
+        with Counted() as counted:
+            second = step(dtype, keys)
+        assert (counted.reduces, counted.gathers) == (1, 0), (dtype, keys)
+        for result in (first, second):
+            assert list(result) == list(keys)
+            assert all(v.dtype == dtype and v.item() == (n - 1) / 2 for v in result.values())
+
+
+@RANKS
+def test_a_failure_after_steady_state_reaches_every_rank(dist_ctx: DistContext) -> None:
+    @ddpctx.all_reduced
+    def evaluate(fail: bool) -> dict[str, torch.Tensor]:
+        if fail and dist_ctx.rank == 1:
+            raise KeyError("shard missing")
+        return {"loss": torch.tensor(1.0)}
+
+    for _ in range(3):
+        evaluate(False)
+    if dist_ctx.rank == 1:
+        error_everywhere(lambda: evaluate(True), KeyError)
+    else:
+        error = error_everywhere(lambda: evaluate(True), ReductionError)
+        assert "rank 1: KeyError: 'shard missing'" in str(error)
+    assert evaluate(False)["loss"].item() == 1.0
+
+
+@RANKS
+def test_async_handles_on_the_fast_path(dist_ctx: DistContext) -> None:
+    rank, n, last = dist_ctx.rank, dist_ctx.world_size, dist_ctx.world_size - 1
+    site = Site("async")
+    handles = []
+    for step in range(6):  # two in flight at a time: read one step later
+        loss = {"loss": torch.tensor(float(rank + step)), "n": torch.tensor(1.0)}
+        handles.append(all_reduce_tree(loss, site=site, async_op=True))
+        if len(handles) > 1:
+            done = step - 1
+            assert handles.pop(0).result()["loss"].item() == (n - 1) / 2 + done
+    assert site.fast is not None
+    assert handles.pop().result()["loss"].item() == (n - 1) / 2 + 5
+    # a rank changing its structure: every rank raises at .result(), not at the call
+    agreed = {"loss": torch.tensor(1.0), "n": torch.tensor(1.0)}
+    changed = {"loss": torch.tensor(1.0)}
+    handle = all_reduce_tree(changed if rank == last else agreed, site=site, async_op=True)
+    with pytest.raises(ReductionError, match="ranks returned different structures"):
+        handle.result()
+
+
+@RANKS
+def test_python_floats_and_a_graph_attached_loss_on_the_fast_path(dist_ctx: DistContext) -> None:
+    rank, n = dist_ctx.rank, dist_ctx.world_size
+    floats, loss_site = Site("floats"), Site("loss")
+    weight = torch.tensor(2.0, requires_grad=True)
+    for step in range(3):
+        result = all_reduce_tree({"lr": 0.1 * step, "loss": float(rank)}, "sum", site=floats)
+        assert result == {"lr": pytest.approx(0.1 * step * n), "loss": sum(range(n))}
+        assert type(result["loss"]) is float
+        loss = all_reduce_tree(weight * rank, site=loss_site)
+        assert not loss.requires_grad
+        assert loss.item() == n - 1
+    assert floats.fast is not None
+    assert loss_site.fast is not None
+
+
+def test_one_process_fast_path_returns_new_tensors() -> None:
+    site = Site("single")
+    mine = {"loss": torch.tensor(0.25), "acc": torch.tensor(0.5)}
+    for _ in range(3):
+        result = all_reduce_tree(mine, site=site)
+        assert same(result, mine)
+        assert result["loss"] is not mine["loss"]
+    assert site.fast is not None
+    result["loss"].add_(1)  # a result of its own: the input is untouched
+    assert mine["loss"].item() == 0.25
+
+
+def test_debug_mode_checks_lockstep_through_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPCTX_DEBUG", "collectives")
+    monkeypatch.setenv("DDPCTX_HANG_TIMEOUT", "0")
+    with pytest.raises(RankError) as caught:
+        launch(_steady_then_diverge, world_size=2, timeout=60)
+    assert isinstance(caught.value.original, HangError)
+    message = str(caught.value.original)
+    # which lines it names is the hang doctor's business (tests/test_hang.py)
+    assert "ranks are in different collectives: barrier at" in message
+    assert "vs all_reduce at" in message
+
+
+def _steady_then_diverge() -> None:
+    ctx = ddpctx.current()
+    assert ctx is not None
+    for step in range(4):
+        if ctx.rank == 0 and step == 3:
+            ctx.barrier()
+        else:
+            ctx.all_reduce(torch.tensor(1.0))
