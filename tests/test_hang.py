@@ -295,6 +295,12 @@ def _diverge() -> None:
         ({"on_hang": "kill"}, {}, "on_hang='kill'"),
         ({}, {"DDPCTX_HANG_TIMEOUT": "soon"}, "DDPCTX_HANG_TIMEOUT='soon'"),
         ({}, {"DDPCTX_DEBUG": "all"}, "DDPCTX_DEBUG='all'"),
+        # Below the floor: a report per second of healthy work.
+        ({"hang_timeout": 1e-6}, {}, "hang_timeout=1e-06 s is below the hang doctor's floor"),
+        ({}, {"DDPCTX_HANG_TIMEOUT": "0.5"}, "DDPCTX_HANG_TIMEOUT=0.5 s is below"),
+        # Errors about the variable's value name the variable, not hang_timeout.
+        ({}, {"DDPCTX_HANG_TIMEOUT": "900"}, "DDPCTX_HANG_TIMEOUT=900 s is not below"),
+        ({}, {"DDPCTX_HANG_TIMEOUT": "inf"}, "DDPCTX_HANG_TIMEOUT='inf'"),
     ],
 )
 def test_bad_hang_options_are_refused_naming_the_value(

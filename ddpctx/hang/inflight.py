@@ -17,10 +17,9 @@ watchdog, only when a report is needed. On NCCL a collective returns before
 the GPU has run it, so the wrapper also records a CUDA event after it; the
 watchdog counts the rank as waiting until that event completes.
 
-``debug=True`` adds a lockstep check before every collective on the default
-group: ranks exchange (sequence number, operation) in one two-number
-all-gather, and ranks in different collectives raise :class:`HangError` at
-once, naming every rank's call site, instead of waiting.
+``debug=True`` adds a lockstep check (:mod:`ddpctx.hang.lockstep`) before every
+collective, on that collective's own process group; ``send``/``recv`` are
+point-to-point and not checked there.
 
 Calls made with ``async_op=True`` return at once; the ``Work`` handle they
 return is wrapped so that its ``wait()`` counts as the wait. Names
@@ -41,11 +40,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -53,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel
 
 #: The blocking collectives of ``torch.distributed`` that are tracked.
@@ -182,11 +180,19 @@ class Tracker:
         return None, 0.0
 
 
-def install(tracker: Tracker, *, debug: bool, cuda: bool) -> Callable[[], None]:
+#: Point-to-point operations: they pair two ranks, never checked as collectives of a group.
+POINT_TO_POINT = frozenset({"send", "recv"})
+
+#: ``check(op, group, caller)`` before a collective: raises when the ranks differ.
+LockstepCheck = Callable[[str, Any, FrameType | None], None]
+
+
+def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Callable[[], None]:
     """Replace the tracked collectives and ``torch.autograd.backward``; returns the undo.
 
     Only from the main thread: other threads' collectives (e.g. a user's
-    background all-reduce) are passed through untracked.
+    background all-reduce) are passed through untracked. ``check`` (debug
+    mode) runs before every collective that is not point-to-point.
     """
     main = threading.main_thread().ident
     originals: dict[tuple[Any, str], Any] = {}
@@ -197,7 +203,9 @@ def install(tracker: Tracker, *, debug: bool, cuda: bool) -> Callable[[], None]:
 
     for name in TRACKED:
         if hasattr(dist, name):
-            replace(dist, name, _collective(tracker, name, getattr(dist, name), debug, cuda, main))
+            original = getattr(dist, name)
+            checked = None if name in POINT_TO_POINT else check
+            replace(dist, name, _collective(tracker, name, original, checked, cuda, main))
     replace(torch.autograd, "backward", _backward(tracker, torch.autograd.backward, cuda, main))
     replace(DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel))
 
@@ -212,12 +220,18 @@ def _collective(
     tracker: Tracker,
     name: str,
     original: Callable[..., Any],
-    debug: bool,
+    check: LockstepCheck | None,
     cuda: bool,
     main: int | None,
 ) -> Callable[..., Any]:
     label = f"{name}()"
     monotonic, get_ident = time.monotonic, threading.get_ident
+    group_at = _group_position(original)
+
+    def group_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if "group" in kwargs:
+            return kwargs["group"]
+        return args[group_at] if group_at is not None and len(args) > group_at else None
 
     # The steps of Tracker.run, inlined: this runs on every collective of the job.
     @functools.wraps(original)
@@ -226,15 +240,15 @@ def _collective(
             return original(*args, **kwargs)
         if kwargs.get("async_op"):  # the wait happens later, in work.wait()
             tracker.entered += 1
-            if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
-                check_lockstep(name, tracker.entered, sys._getframe(1))
+            if check is not None:
+                check(name, group_of(args, kwargs), sys._getframe(1))
             work = original(*args, **kwargs)
             return work if work is None else TrackedWork(work, tracker, label, main)
         tracker.op, tracker.since = label, monotonic()
         tracker.entered += 1
         try:
-            if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
-                check_lockstep(name, tracker.entered, sys._getframe(1))
+            if check is not None:
+                check(name, group_of(args, kwargs), sys._getframe(1))
             result = original(*args, **kwargs)
         except Exception as error:
             if tracker.failure is not None:  # the hang was reported; the peers are going
@@ -248,6 +262,15 @@ def _collective(
         return result
 
     return tracked
+
+
+def _group_position(function: Callable[..., Any]) -> int | None:
+    """The index of ``function``'s ``group`` parameter when passed by position, else None."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("group") if "group" in names else None
 
 
 class TrackedWork:
@@ -313,58 +336,6 @@ def _note_gpu_work(tracker: Tracker, op: str) -> None:
     tracker.gpu_pending = (event, op, time.monotonic())
 
 
-def check_lockstep(op: str, sequence: int, caller: FrameType | None) -> None:
-    """Debug mode: raise :class:`HangError` on every rank if ranks are in different collectives.
-
-    One all-gather of two numbers per collective (the debug mode's cost); the
-    call sites travel only when the operations differ.
-    """
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    device = _comm_device()
-    mine = torch.tensor([sequence, zlib.crc32(op.encode())], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    c10d.all_gather(everyone, mine)  # the untracked original: this is part of the wait
-    if all(torch.equal(theirs, everyone[0]) for theirs in everyone):
-        return
-    sites: list[Any] = [None] * world
-    c10d.all_gather_object(sites, (op, sequence, user_site(caller)))
-    groups: dict[tuple[str, str], list[int]] = {}
-    for rank, (their_op, _, site) in enumerate(sites):
-        groups.setdefault((their_op, site), []).append(rank)
-    described = " vs ".join(
-        f"{their_op} at {site} ({ranks_text(ranks)})" for (their_op, site), ranks in groups.items()
-    )
-    sequences = ", ".join(f"rank {rank}: #{seq}" for rank, (_, seq, _) in enumerate(sites))
-    raise HangError(
-        f"ranks are in different collectives: {described} (collective sequence numbers: "
-        f"{sequences}). Every rank must issue the same collectives in the same order; "
-        "decide data-dependent branches together with ctx.any(flag) / ctx.all(flag)."
-    )
-
-
 def ranks_text(ranks: list[int]) -> str:
     """``"rank 1"`` or ``"ranks 0, 2"``."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _comm_device() -> torch.device:
-    if "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def torch_detail_debug(enabled: bool) -> Iterator[None]:
-    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for a group formed inside the block (debug mode)."""
-    if not enabled:
-        yield
-        return
-    levels: Any = dist  # the debug-level functions are not declared in the stubs
-    previous = levels.get_debug_level()
-    levels.set_debug_level(levels.DebugLevel.DETAIL)
-    try:
-        yield
-    finally:
-        levels.set_debug_level(previous)

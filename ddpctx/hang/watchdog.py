@@ -41,11 +41,14 @@ from dataclasses import dataclass
 import torch.distributed.distributed_c10d as c10d
 
 from ddpctx.hang.inflight import HangError, Tracker, install
+from ddpctx.hang.lockstep import Lockstep
 from ddpctx.hang.report import Exchange, RankState, format_report, snapshot
 from ddpctx.utils.errors import record_for_torchrun
 
 #: The longest default ``hang_timeout``, in seconds.
 MAX_DEFAULT_HANG_TIMEOUT_S = 300.0
+#: The shortest ``hang_timeout`` accepted (0 turns the doctor off): one watchdog tick.
+MIN_HANG_TIMEOUT_S = 1.0
 #: How often the watchdog wakes (at most once a second, by contract).
 TICK_S = 1.0
 #: How long rank 0 waits for the other ranks' answers.
@@ -93,37 +96,47 @@ def resolve_hang_settings(
         )
     if not isinstance(debug, bool):
         raise ValueError(f"debug={debug!r} must be True or False.")
-    seconds = _hang_seconds(hang_timeout, collective_timeout_s, environ)
+    seconds, name = _hang_seconds(hang_timeout, collective_timeout_s, environ)
+    if 0 < seconds < MIN_HANG_TIMEOUT_S:
+        raise ValueError(
+            f"{name}={seconds:g} s is below the hang doctor's floor of "
+            f"{MIN_HANG_TIMEOUT_S:g} s (its thread wakes once a second, so a shorter wait "
+            "cannot be told from healthy work). Set "
+            f"{name}={MIN_HANG_TIMEOUT_S:g} or more, or {name}=0 to turn the hang doctor off."
+        )
     if seconds >= collective_timeout_s:
         raise ValueError(
-            f"hang_timeout={seconds:g} s is not below the collective timeout of "
+            f"{name}={seconds:g} s is not below the collective timeout of "
             f"{collective_timeout_s:g} s, so the report would come after the job failed. "
-            f"Pass a smaller hang_timeout (e.g. {collective_timeout_s / 5:g}) or a larger timeout."
+            f"Set a smaller {name} (e.g. {collective_timeout_s / 5:g}) or a larger timeout."
         )
     return HangSettings(seconds, str(on_hang), debug or _debug_from_env(environ))
 
 
-def _hang_seconds(value: object, collective_timeout_s: float, environ: Mapping[str, str]) -> float:
+def _hang_seconds(
+    value: object, collective_timeout_s: float, environ: Mapping[str, str]
+) -> tuple[float, str]:
+    """``(seconds, the name it came from)``: ``hang_timeout`` or ``DDPCTX_HANG_TIMEOUT``."""
     if value is None:
         raw = environ.get("DDPCTX_HANG_TIMEOUT", "").strip()
         if raw == "":
-            return min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S)
+            return min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S), "hang_timeout"
         try:
             seconds = float(raw)
         except ValueError:
             seconds = -1.0
-        if not seconds >= 0:
+        if not 0 <= seconds < float("inf"):
             raise ValueError(
                 f"DDPCTX_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0. Set it to e.g. "
                 "60, to 0 to turn the hang doctor off, or unset it for the default."
             )
-        return seconds
+        return seconds, "DDPCTX_HANG_TIMEOUT"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(
             f"hang_timeout={value!r} must be a number of seconds >= 0: e.g. hang_timeout=60, "
             "or hang_timeout=0 to turn the hang doctor off."
         )
-    return float(value)
+    return float(value), "hang_timeout"
 
 
 def _debug_from_env(environ: Mapping[str, str]) -> bool:
@@ -264,7 +277,8 @@ class Doctor:
         if not settings.active:
             return
         tracker = Tracker()
-        self._undo = install(tracker, debug=settings.debug, cuda=cuda)
+        check = Lockstep() if settings.debug else None
+        self._undo = install(tracker, check=check, cuda=cuda)
         if settings.hang_timeout > 0:
             try:
                 store = c10d._get_default_store()
