@@ -140,6 +140,7 @@ class Tracker:
     """
 
     op: str | None = None
+    peers: tuple[int, ...] | None = None  # the ranks ``op`` waits with (None: every rank)
     since: float = 0.0
     entered: int = 0  # collectives entered, this rank's sequence number
     completed: int = 0
@@ -147,12 +148,20 @@ class Tracker:
     failure: HangError | None = None  # set by the watchdog under on_hang="raise"
     ddp_sync_pending: bool = False
 
-    def run(self, op: str, call: Callable[[], Any], *, issued: bool = True) -> Any:
+    def run(
+        self,
+        op: str,
+        call: Callable[[], Any],
+        *,
+        issued: bool = True,
+        peers: tuple[int, ...] | None = None,
+    ) -> Any:
         """``call()``, marked as a wait in ``op`` (the wrappers inline the same steps).
 
-        ``issued=False`` for the wait on a collective already counted when issued.
+        ``issued=False`` for the wait on a collective already counted when issued;
+        ``peers``: the ranks it waits with, when not every rank.
         """
-        self.op, self.since = op, time.monotonic()
+        self.op, self.peers, self.since = op, peers, time.monotonic()
         if issued:
             self.entered += 1
         try:
@@ -238,17 +247,21 @@ def _collective(
     def tracked(*args: Any, **kwargs: Any) -> Any:
         if tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
+        group = group_of(args, kwargs)
+        what, peers = (label, None) if group is None else describe(name, group)
+        if name in POINT_TO_POINT:
+            what, peers = describe_transfer(name, group, args, kwargs)
         if kwargs.get("async_op"):  # the wait happens later, in work.wait()
             tracker.entered += 1
             if check is not None:
-                check(name, group_of(args, kwargs), sys._getframe(1))
+                check(name, group, sys._getframe(1))
             work = original(*args, **kwargs)
-            return work if work is None else TrackedWork(work, tracker, label, main)
-        tracker.op, tracker.since = label, monotonic()
+            return work if work is None else TrackedWork(work, tracker, what, main, peers)
+        tracker.op, tracker.peers, tracker.since = what, peers, monotonic()
         tracker.entered += 1
         try:
             if check is not None:
-                check(name, group_of(args, kwargs), sys._getframe(1))
+                check(name, group, sys._getframe(1))
             result = original(*args, **kwargs)
         except Exception as error:
             if tracker.failure is not None:  # the hang was reported; the peers are going
@@ -258,10 +271,41 @@ def _collective(
             tracker.op = None
             tracker.completed += 1
         if cuda:
-            _note_gpu_work(tracker, label)
+            _note_gpu_work(tracker, what)
         return result
 
     return tracked
+
+
+def describe(name: str, group: Any) -> tuple[str, tuple[int, ...] | None]:
+    """``("all_reduce() on ranks 0, 2", (0, 2))`` for a subgroup; ``("barrier()", None)``."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return f"{name}()", None
+    try:
+        members = tuple(dist.get_process_group_ranks(group))
+    except Exception:  # not a group torch knows: torch's own call will say so
+        return f"{name}()", None
+    if len(members) == dist.get_world_size():
+        return f"{name}()", None
+    return f"{name}() on {ranks_text(list(members))}", members
+
+
+def describe_transfer(
+    name: str, group: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str, tuple[int, ...] | None]:
+    """``("recv from rank 0", (0, me))``: a point-to-point wait names its peer (global rank).
+
+    A ``recv`` without ``src`` waits for any rank: ``("recv from any rank", None)``.
+    """
+    key, direction = ("dst", "to") if name == "send" else ("src", "from")
+    peer = kwargs.get(key, args[1] if len(args) > 1 else None)
+    in_group = kwargs.get(f"group_{key}")
+    with contextlib.suppress(Exception):
+        if peer is None and in_group is not None and group is not None:
+            peer = dist.get_global_rank(group, in_group)
+        if isinstance(peer, int):
+            return f"{name} {direction} rank {peer}", (peer, dist.get_rank())
+    return f"{name} {direction} any rank", None
 
 
 def _group_position(function: Callable[..., Any]) -> int | None:
@@ -281,16 +325,29 @@ class TrackedWork:
     Everything else is the handle's own.
     """
 
-    __slots__ = ("_label", "_main", "_tracker", "_work")
+    __slots__ = ("_label", "_main", "_peers", "_tracker", "_work")
 
-    def __init__(self, work: Any, tracker: Tracker, label: str, main: int | None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        tracker: Tracker,
+        label: str,
+        main: int | None,
+        peers: tuple[int, ...] | None = None,
+    ) -> None:
         self._work, self._tracker, self._label, self._main = work, tracker, label, main
+        self._peers = peers
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         tracker = self._tracker
         if tracker.op is not None or threading.get_ident() != self._main:
             return self._work.wait(*args, **kwargs)
-        return tracker.run(self._label, lambda: self._work.wait(*args, **kwargs), issued=False)
+        return tracker.run(
+            self._label,
+            lambda: self._work.wait(*args, **kwargs),
+            issued=False,
+            peers=self._peers,
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

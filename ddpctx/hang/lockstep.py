@@ -25,9 +25,11 @@ torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is not turned on: with torch
 2.13's gloo it makes DDP crash the process (SIGSEGV).
 
 Example:
-    >>> check = Lockstep()
-    >>> check("barrier", None, None)  # one process: nothing to compare
-    >>> check.sequences
+    >>> from ddpctx import distributed
+    >>> with distributed(hang_timeout=0):
+    ...     check = Lockstep()
+    ...     check("barrier", None, None)  # one process: nothing to compare
+    ...     check.sequences
     {None: 1}
 """
 

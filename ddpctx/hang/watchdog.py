@@ -5,7 +5,12 @@ daemon thread that wakes once a second and reads this rank's
 :class:`~ddpctx.hang.inflight.Tracker`. When this rank has waited in one collective
 for ``hang_timeout`` seconds it opens an *incident* in the job's store; every
 rank's thread answers with its main thread's state and stack; rank 0 prints ONE
-report to stderr (:mod:`ddpctx.hang.report`). The waits that an incident
+report to stderr (:mod:`ddpctx.hang.report`). When rank 0 cannot (its main
+thread holds the GIL in native code, or the process is stopped), the first
+other rank that sees no report within a few seconds prints it, naming the
+ranks that did not answer and how long since each last showed life (every
+watchdog notes the time in the store at each tick). A rank holding the GIL
+cannot answer at all: what it waits in is unknown until it lets go. The waits that an incident
 covered are not reported again, so a slow rank-0 checkpoint write is reported
 once and the job goes on (``on_hang="report"``). With ``on_hang="raise"``
 every rank then raises :class:`HangError` carrying the report: ranks running
@@ -167,6 +172,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="ddpctx-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        self.exchange.beat()  # from the main thread: a rank silent from the start has a time too
         self._thread.start()
         return self
 
@@ -183,6 +189,7 @@ class Watchdog:
             return
 
     def _tick(self) -> None:
+        self.exchange.beat()
         op, waited = self.tracker.waited(time.monotonic())
         newest = self.exchange.newest()
         if newest > self._seen:
@@ -198,26 +205,52 @@ class Watchdog:
         self._seen = incident
         if op is not None:
             self._covered = self.tracker.entered
-        self.exchange.answer(incident, snapshot(self.rank, op, waited))
-        report = None
-        if self.rank == 0:
-            states = self.exchange.collect(incident, time.monotonic() + ANSWER_WAIT_S)
-            report = format_report(states, self.settings.hang_timeout)
-            print(report, file=sys.stderr, flush=True)
-            self.exchange.publish(incident, report)
-            self.reports.append(report)
+        peers = self.tracker.peers if self.tracker.op is not None else None
+        self.exchange.answer(incident, snapshot(self.rank, op, waited, peers))
+        # Rank 0 reports; when it cannot (GIL held in native code, stopped), the first
+        # other rank that finds no report in time does, naming rank 0 as not answering.
+        report = self._report(incident) if self.rank == 0 else None
+        if report is None:
+            report = self._await_report(incident)
         if self.settings.on_hang == "raise":
-            self._raise(report or self._await_report(incident, op, waited))
+            own = RankState(self.rank, op, waited, "?", "")
+            fallback = format_report([own], self.settings.hang_timeout) + " (no rank sent a report)"
+            self._raise(report or fallback)
 
-    def _await_report(self, incident: int, op: str | None, waited: float) -> str:
+    def _report(self, incident: int, wait_s: float = ANSWER_WAIT_S) -> str | None:
+        """Collect, print and publish the report, unless another rank already claimed it.
+
+        ``wait_s``: how long to wait for answers still missing.
+        """
+        if not self.exchange.claim(incident):
+            return None
+        states = self.exchange.collect(incident, time.monotonic() + wait_s)
+        silent = [rank for rank, state in enumerate(states) if state is None]
+        silent_for = self.exchange.silence(silent)
+        report = format_report(states, self.settings.hang_timeout, silent_for=silent_for)
+        print(report, file=sys.stderr, flush=True)
+        self.exchange.publish(incident, report)
+        self.reports.append(report)
+        return report
+
+    def _await_report(self, incident: int) -> str | None:
+        """The published report; this rank writes it when none came in time."""
         deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S
-        while time.monotonic() < deadline and not self._stop.is_set():
+        claimed = False
+        while not self._stop.is_set():
             report = self.exchange.published(incident)
             if report is not None:
                 return report
+            if time.monotonic() >= deadline:
+                if claimed:
+                    return None
+                claimed = True
+                report = self._report(incident, wait_s=TICK_S)  # the others had their time
+                if report is not None:
+                    return report
+                deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S  # another rank writes
             time.sleep(0.1)
-        own = RankState(self.rank, op, waited, "?", "")
-        return format_report([own], self.settings.hang_timeout) + " (rank 0 sent no report)"
+        return None
 
     def _raise(self, report: str) -> None:
         """Make the main thread raise :class:`HangError`; exit if it is blocked in native code."""
