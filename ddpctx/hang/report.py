@@ -213,6 +213,19 @@ def diagnose(states: list[RankState], world_size: int | None = None) -> str:
     return "diagnosis: no rank is in a collective any more; the wait ended by itself."
 
 
+def _silent_diagnosis(silent: list[int], answered: list[RankState], world_size: int) -> str:
+    """Ranks wait for ``silent`` ranks, which did not answer."""
+    blocked = [s for s in answered if s.awaits(world_size) & set(silent)]
+    details = "; ".join(f"rank {s.rank} in {s.op}" for s in blocked)
+    one, waiters = len(silent) == 1, len(blocked)
+    count = f"{waiters} rank{'s' if waiters > 1 else ''} wait{'s' if waiters == 1 else ''}"
+    return (
+        f"diagnosis: {ranks_text(silent)} {'is' if one else 'are'} not answering while "
+        f"{count} for {'it' if one else 'them'} ({details}): it may hold the GIL in native "
+        "code, be stopped (SIGSTOP, a debugger), or be gone."
+    )
+
+
 def _bare_op(op: str | None) -> str:
     return (op or "").removesuffix("()").split(" (", 1)[0]
 
@@ -254,7 +267,10 @@ def format_report(
         )
         lines.append(f"  rank {rank}: {what:<30} at {state.site:<30} {tail}".rstrip())
     diagnosis = diagnose(answered, len(states)) if answered else "diagnosis: no rank answered."
-    if silent:
+    silent_awaited = [rank for rank in silent if rank in awaited]
+    if silent_awaited and " is not in any collective" not in diagnosis:
+        diagnosis = _silent_diagnosis(silent_awaited, answered, len(states))
+    elif silent:
         diagnosis += f" ({ranks_text(silent)} did not answer.)"
     lines.append(diagnosis)
     lines.append("full stacks follow (main thread, outermost call first):")
