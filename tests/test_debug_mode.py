@@ -265,3 +265,19 @@ def _subgroup_mismatch() -> None:
         dist.barrier(group=pair)
     elif ctx.rank == 2:
         dist.all_reduce(torch.ones(1), group=pair)
+
+
+def everyone_calls_the_one_rank_group() -> float:
+    ctx = ddpctx.current()
+    assert ctx is not None
+    solo = dist.new_group([0])
+    total = torch.ones(1)
+    dist.all_reduce(total, group=solo)  # torch skips the call on rank 1, outside the group
+    dist.barrier()
+    return float(total)
+
+
+def test_a_collective_on_a_group_a_rank_is_not_in_is_not_counted_there(
+    run_distributed: Any, debug_mode: None
+) -> None:
+    assert run_distributed(everyone_calls_the_one_rank_group) == [1.0, 1.0]

@@ -56,8 +56,10 @@ class Lockstep:
         """Raise :class:`HangError` on every member of ``group`` if they are in different ops."""
         if group is c10d.GroupMember.WORLD:
             group = None
+        size = dist.get_world_size(group)  # -1 on a rank outside the group: torch skips the call
+        if size < 1:
+            return
         sequence = self.sequences[group] = self.sequences.get(group, 0) + 1
-        size = dist.get_world_size(group)
         if size == 1:
             return
         device = _comm_device(group)
