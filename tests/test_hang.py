@@ -133,6 +133,17 @@ def test_another_rank_reports_when_rank_0_holds_the_gil() -> None:
     assert "JOB-DONE" in out
 
 
+@pytest.mark.slow
+def test_another_rank_reports_when_rank_0_is_stopped() -> None:
+    code, out, err = torchrun_case("stopped", 2)
+    report = report_of(err)
+    assert re.search(r"rank 0: not answering for \d+ s", rank_line(report, 0))
+    assert line_of("STOPPED-BARRIER") in rank_line(report, 1)
+    assert "diagnosis: rank 0 is not answering while 1 rank waits for it" in "\n".join(report)
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
 def test_under_launch_a_rank_that_sleeps_is_named(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,12 +12,17 @@ so ``on_hang="report"`` jobs end successfully):
   too, outside the pair.
 - ``gil``: rank 0 holds the GIL in native code (its watchdog cannot run) for
   ``8 * SECONDS + 4`` s; rank 1 waits in a barrier.
+- ``stopped``: rank 0 stops itself with SIGSTOP; rank 1 waits in a barrier and sends
+  it SIGCONT after ``8 * SECONDS + 4`` s.
 
 Lines the tests look for end in a ``# <NAME>`` marker.
 """
 
 import ctypes
+import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -77,4 +82,13 @@ with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
         if ctx.rank == 0:
             ctypes.PyDLL(None).sleep(int(8 * seconds + 4))  # GIL
         dist.barrier()  # GIL-BARRIER
+    elif case == "stopped":
+        pids: list[object] = [None] * ctx.world_size
+        dist.all_gather_object(pids, os.getpid())
+        if ctx.rank == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            resume = threading.Timer(8 * seconds + 4, os.kill, (pids[0], signal.SIGCONT))
+            resume.start()
+        dist.barrier()  # STOPPED-BARRIER
     ctx.print("JOB-DONE")
