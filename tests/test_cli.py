@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpctx import __version__
-from ddpctx.cli import interface_problems, merge
+from ddpctx.cli import describe_environment, interface_problems, main, merge
 from tests.helpers import REPO, child_env
 
 
@@ -123,6 +124,54 @@ def test_env_names_a_bad_variable_and_exits_non_zero() -> None:
     result = ddpctx("env", RANK="0")
     assert result.returncode == 1
     assert re.search(r"problem +ValueError: RANK='0' is set but WORLD_SIZE is not", result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("DDPCTX_TIMEOUT", "soon", "DDPCTX_TIMEOUT='soon'"),
+        ("DDPCTX_HANG_TIMEOUT", "-4", "DDPCTX_HANG_TIMEOUT='-4'"),
+        ("DDPCTX_DEBUG", "bogus", "DDPCTX_DEBUG='bogus' is not a debug mode"),
+    ],
+)
+def test_env_reports_a_bad_ddpctx_option_and_exits_non_zero(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    variable: str,
+    value: str,
+    expected: str,
+) -> None:
+    # Before: "problem None" and exit 0 for values that distributed() refuses.
+    monkeypatch.setenv(variable, value)
+    assert main(["env"]) == 1
+    assert re.search(
+        r"^problem +ValueError: .*" + re.escape(expected), capsys.readouterr().out, re.M
+    )
+
+
+def test_env_names_every_bad_option_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable, value in {
+        "DDPCTX_TIMEOUT": "soon",
+        "DDPCTX_HANG_TIMEOUT": "-4",
+        "DDPCTX_DEBUG": "bogus",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    problem = describe_environment()["problem"]
+    for named in ("DDPCTX_TIMEOUT='soon'", "DDPCTX_HANG_TIMEOUT='-4'", "DDPCTX_DEBUG='bogus'"):
+        assert named in problem
+
+
+def test_check_refuses_a_message_too_large_in_one_line() -> None:
+    # Before: a 35-line traceback from the ranks' allocation.
+    result = ddpctx("check", "--sizes", "99999999999")
+    assert result.returncode == 2
+    errors = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    assert errors[-1] == (
+        "ddpctx check: error: argument --sizes: --sizes '99999999999': 99999999999 elements is "
+        "more than the largest message checked, 268435456 float32 elements (1 GiB); give sizes "
+        "up to that, e.g. 1024,262144"
+    )
 
 
 def test_the_console_script_is_installed() -> None:

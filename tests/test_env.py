@@ -194,6 +194,33 @@ def test_bad_launcher_variables_name_the_variable_and_value(
     assert any(word in message for word in ("Set", "set", "launch", "run", "Leave", "srun"))
 
 
+LAUNCHERS = {"torchrun": TORCHRUN, "slurm": SLURM_STEP, "mpi": MPI}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("127.0.0.1 127.0.0.2", "MASTER_ADDR='127.0.0.1 127.0.0.2' contains whitespace"),
+        ("127.0.0.1 ", "Set MASTER_ADDR='127.0.0.1'"),
+        ("[::1]", "MASTER_ADDR='[::1]' is an address in URL brackets"),
+        ("[::1]", "Set MASTER_ADDR='::1'"),
+    ],
+)
+def test_master_addr_is_checked_alike_on_every_launcher_path(
+    launcher: str, address: str, expected: str
+) -> None:
+    # Before: Open MPI and SLURM took both values, and every rank timed out after ~50 s.
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        detect_launch({**LAUNCHERS[launcher], "MASTER_ADDR": address})
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_a_bare_ipv6_master_addr_is_taken_on_every_launcher_path(launcher: str) -> None:
+    info = detect_launch({**LAUNCHERS[launcher], "MASTER_ADDR": "::1"})
+    assert info.master_addr == "::1"
+
+
 @pytest.mark.parametrize(
     ("text", "hosts"),
     [

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 import ddpctx
 from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
+from ddpctx.hang.inflight import describe
 from ddpctx.hang.report import RankState, format_report
 from ddpctx.hang.watchdog import resolve_hang_settings
 from tests.helpers import REPO, run_torchrun
@@ -86,6 +88,58 @@ def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(nproc: 
         f"diagnosis: rank 1 is not in any collective while {waiting} rank"
         f"{'s' if waiting > 1 else ''} wait"
     ) in "\n".join(report)
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
+@pytest.mark.slow
+def test_a_recv_names_its_peer_and_a_rank_outside_the_pair_is_not_stuck() -> None:
+    # Before: "rank 1: waiting in recv()", and rank 2 (asleep, in no pair) "<- stuck here".
+    code, out, err = torchrun_case("p2p", 3)
+    report = report_of(err)
+    receiver = rank_line(report, 1)
+    assert "waiting in recv from rank 0" in receiver
+    assert line_of("RECV") in receiver
+    assert line_of("P2P-SLEEP") in rank_line(report, 0)
+    assert rank_line(report, 0).endswith("<- stuck here")
+    bystander = rank_line(report, 2)
+    assert "not in a collective" in bystander
+    assert line_of("BYSTANDER") in bystander
+    assert not bystander.endswith("<- stuck here")
+    assert (
+        "diagnosis: rank 0 is not in any collective while 1 rank waits for it "
+        "(rank 1 in recv from rank 0)"
+    ) in "\n".join(report)
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
+@pytest.mark.slow
+def test_another_rank_reports_when_rank_0_holds_the_gil() -> None:
+    # Before: no report at all while rank 0 held the GIL (only rank 0 printed).
+    code, out, err = torchrun_case("gil", 2)
+    report = report_of(err)
+    silent = rank_line(report, 0)
+    found = re.search(r"rank 0: not answering for (\d+) s \(it may hold the GIL", silent)
+    assert found, silent
+    assert HANG_TIMEOUT <= int(found.group(1)) <= 8 * HANG_TIMEOUT + 4
+    assert "waiting in barrier()" in rank_line(report, 1)
+    assert line_of("GIL-BARRIER") in rank_line(report, 1)
+    assert (
+        "diagnosis: rank 0 is not answering while 1 rank waits for it (rank 1 in barrier()): "
+        "it may hold the GIL in native code"
+    ) in "\n".join(report)
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
+@pytest.mark.slow
+def test_another_rank_reports_when_rank_0_is_stopped() -> None:
+    code, out, err = torchrun_case("stopped", 2)
+    report = report_of(err)
+    assert re.search(r"rank 0: not answering for \d+ s", rank_line(report, 0))
+    assert line_of("STOPPED-BARRIER") in rank_line(report, 1)
+    assert "diagnosis: rank 0 is not answering while 1 rank waits for it" in "\n".join(report)
     assert code == 0
     assert "JOB-DONE" in out
 
@@ -295,6 +349,12 @@ def _diverge() -> None:
         ({"on_hang": "kill"}, {}, "on_hang='kill'"),
         ({}, {"DDPCTX_HANG_TIMEOUT": "soon"}, "DDPCTX_HANG_TIMEOUT='soon'"),
         ({}, {"DDPCTX_DEBUG": "all"}, "DDPCTX_DEBUG='all'"),
+        # Below the floor: a report per second of healthy work.
+        ({"hang_timeout": 1e-6}, {}, "hang_timeout=1e-06 s is below the hang doctor's floor"),
+        ({}, {"DDPCTX_HANG_TIMEOUT": "0.5"}, "DDPCTX_HANG_TIMEOUT=0.5 s is below"),
+        # Errors about the variable's value name the variable, not hang_timeout.
+        ({}, {"DDPCTX_HANG_TIMEOUT": "900"}, "DDPCTX_HANG_TIMEOUT=900 s is not below"),
+        ({}, {"DDPCTX_HANG_TIMEOUT": "inf"}, "DDPCTX_HANG_TIMEOUT='inf'"),
     ],
 )
 def test_bad_hang_options_are_refused_naming_the_value(
@@ -383,3 +443,41 @@ def test_a_report_printed_earlier_is_appended_to_the_error_torchrun_shows(tmp_pa
     )
     message = json.loads(error_file.read_text())["message"]["message"]
     assert message == "ValueError: bad\n\nddpctx hang report: x"
+
+
+# --- per group and point to point ------------------------------------------------------------
+
+
+def _labels_of_a_subgroup() -> tuple[str, tuple[int, ...] | None]:
+    pair = dist.new_group([0, 2])  # every rank creates every group
+    return describe("all_reduce", pair)
+
+
+def test_a_subgroup_collective_is_labelled_with_its_members(run_distributed: Any) -> None:
+    assert (
+        run_distributed(_labels_of_a_subgroup, world_size=3)
+        == [("all_reduce() on ranks 0, 2", (0, 2))] * 3
+    )
+
+
+def test_a_rank_outside_the_hung_subgroup_is_not_called_stuck() -> None:
+    states: list[RankState | None] = [
+        RankState(0, "all_reduce() on ranks 0, 1", 5.0, "train.py:9 in f", "", [0, 1]),
+        RankState(1, None, 0.0, "train.py:7 in f", ""),
+        RankState(2, None, 0.0, "train.py:8 in f", ""),
+    ]
+    report = format_report(states, 2).splitlines()
+    assert rank_line(report, 1).endswith("<- stuck here")
+    assert rank_line(report, 2).endswith("train.py:8 in f")
+    assert report[4] == (
+        "diagnosis: rank 1 is not in any collective while 1 rank waits for it "
+        "(rank 0 in all_reduce() on ranks 0, 1): it is stuck, or it took a branch the "
+        "others did not."
+    )
+
+
+def test_a_rank_that_does_not_answer_is_named_with_how_long() -> None:
+    states: list[RankState | None] = [None, RankState(1, "barrier()", 9.0, "t.py:3 in f", "")]
+    report = format_report(states, 2, silent_for={0: 8.6}).splitlines()
+    assert rank_line(report, 0).strip().startswith("rank 0: not answering for 9 s (it may hold")
+    assert report[3].startswith("diagnosis: rank 0 is not answering while 1 rank waits for it")

@@ -62,6 +62,64 @@ def test_a_broadcast_function_called_inside_a_plain_rank_zero_function_runs(
 
 
 @RANKS
+def test_a_barrier_function_inside_a_rank_zero_block_keeps_the_ranks_in_step(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    @rank_zero_only(barrier=True)
+    def write(path: Path) -> None:
+        path.write_text("written")
+
+    with dist_ctx.rank_zero() as main:
+        if main:
+            write(tmp_path / "log.txt")
+    # Before: the others took the inner barrier's Outcome as this broadcast's value.
+    assert dist_ctx.broadcast(f"from rank {dist_ctx.rank}") == "from rank 0"
+    assert (tmp_path / "log.txt").read_text() == "written"
+
+
+@RANKS
+def test_a_barrier_function_inside_atomic_dir_keeps_the_ranks_in_step(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    @rank_zero_only(barrier=True)
+    def save(directory: Path) -> None:
+        (directory / "config.json").write_text("{}")
+
+    with dist_ctx.atomic_dir(tmp_path / "model") as tmp:
+        if tmp is not None:
+            save(tmp)
+    assert dist_ctx.broadcast(dist_ctx.rank) == 0
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
+
+
+@RANKS
+def test_a_rank_zero_block_inside_a_rank_zero_function_runs_where_it_is(
+    dist_ctx: DistContext,
+) -> None:
+    @rank_zero_only(broadcast=True)
+    def outer() -> str:
+        with dist_ctx.rank_zero() as main:
+            assert main
+        return "done"
+
+    assert outer() == "done"
+    assert dist_ctx.broadcast(dist_ctx.rank) == 0
+
+
+@RANKS
+def test_a_rank_zero_block_inside_rank_zero_first_is_refused_on_every_rank(
+    dist_ctx: DistContext,
+) -> None:
+    def block() -> None:
+        with rank_zero_first(), dist_ctx.rank_zero():
+            pass
+
+    expected = RuntimeError if dist_ctx.rank == 0 else RankZeroError
+    error = raises_everywhere(block, expected)
+    assert "inside a rank_zero_first block" in str(error)
+
+
+@RANKS
 def test_a_wait_inside_rank_zero_first_is_refused_on_every_rank(dist_ctx: DistContext) -> None:
     @rank_zero_only(barrier=True)
     def write() -> None:

@@ -9,6 +9,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+#: The largest message ``check --sizes`` takes: 2**28 float32 elements (1 GiB per buffer).
+MAX_SIZE = 2**28
+
 
 def timed(operation: Callable[[], object], repeats: int) -> float:
     import torch.distributed as dist
@@ -161,5 +164,12 @@ def sizes(text: str) -> list[int]:
     if not sizes or any(size < 1 for size in sizes):
         raise argparse.ArgumentTypeError(
             f"--sizes {text!r}: each size must be a positive element count, e.g. 1024,262144"
+        )
+    too_large = [size for size in sizes if size > MAX_SIZE]
+    if too_large:
+        raise argparse.ArgumentTypeError(
+            f"--sizes {text!r}: {too_large[0]} elements is more than the largest message "
+            f"checked, {MAX_SIZE} float32 elements ({MAX_SIZE * 4 // 2**30} GiB); give sizes "
+            "up to that, e.g. 1024,262144"
         )
     return sizes

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _PREFIXES = ("SLURM_", "OMPI_", "NCCL_", "GLOO_", "TORCH_", "DDPCTX_", "TORCHELASTIC_")
@@ -51,6 +51,7 @@ def describe_environment() -> dict[str, Any]:
         "gloo_available": dist.is_gloo_available(),
         "nccl_available": dist.is_nccl_available(),
     }
+    problems = option_problems(os.environ)
     try:
         info = detect_launch(os.environ)
         backend = resolve_backend(None, torch.cuda.is_available())
@@ -70,16 +71,43 @@ def describe_environment() -> dict[str, Any]:
             master=None if info.master_addr is None else f"{info.master_addr}:{info.master_port}",
             backend=backend,
             device="cpu" if index is None else f"cuda:{index}",
-            problem=None,
         )
     except (ValueError, RuntimeError) as error:
-        report.update(launcher=None, problem=f"{type(error).__name__}: {error}")
+        report.update(launcher=None)
+        problems.insert(0, f"{type(error).__name__}: {error}")
+    report["problem"] = "; ".join(problems) or None
     report["environment"] = {
         name: value
         for name, value in sorted(os.environ.items())
         if name in _NAMES or name.startswith(_PREFIXES)
     }
     return report
+
+
+def option_problems(environ: Mapping[str, str]) -> list[str]:
+    """What ``distributed()`` would refuse in ``DDPCTX_TIMEOUT``, ``DDPCTX_HANG_TIMEOUT``
+    and ``DDPCTX_DEBUG``, each checked on its own so that every bad one is named.
+
+    Example:
+        >>> option_problems({"DDPCTX_DEBUG": "bogus"})  # doctest: +ELLIPSIS
+        ["ValueError: DDPCTX_DEBUG='bogus' is not a debug mode; ..."]
+    """
+    from ddpctx.hang.watchdog import resolve_hang_settings
+    from ddpctx.utils.env import DEFAULT_TIMEOUT, resolve_timeout
+
+    problems = []
+    timeout_s = DEFAULT_TIMEOUT.total_seconds()
+    try:
+        timeout_s = resolve_timeout(None, environ).total_seconds()
+    except ValueError as error:
+        problems.append(f"ValueError: {error}")
+    hang_only = {k: v for k, v in environ.items() if k != "DDPCTX_DEBUG"}
+    for hang_timeout, variables in ((None, hang_only), (0.0, environ)):
+        try:  # hang_timeout=0 leaves DDPCTX_HANG_TIMEOUT unread: DDPCTX_DEBUG alone
+            resolve_hang_settings(hang_timeout, "report", False, timeout_s, variables)
+        except ValueError as error:
+            problems.append(f"ValueError: {error}")
+    return problems
 
 
 def format_environment(report: dict[str, Any], *, header: bool = False) -> str:

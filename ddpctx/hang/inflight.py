@@ -17,10 +17,9 @@ watchdog, only when a report is needed. On NCCL a collective returns before
 the GPU has run it, so the wrapper also records a CUDA event after it; the
 watchdog counts the rank as waiting until that event completes.
 
-``debug=True`` adds a lockstep check before every collective on the default
-group: ranks exchange (sequence number, operation) in one two-number
-all-gather, and ranks in different collectives raise :class:`HangError` at
-once, naming every rank's call site, instead of waiting.
+``debug=True`` adds a lockstep check (:mod:`ddpctx.hang.lockstep`) before every
+collective, on that collective's own process group; ``send``/``recv`` are
+point-to-point and not checked there.
 
 Calls made with ``async_op=True`` return at once; the ``Work`` handle they
 return is wrapped so that its ``wait()`` counts as the wait. Names
@@ -41,11 +40,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -53,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel
 
 #: The blocking collectives of ``torch.distributed`` that are tracked.
@@ -142,6 +140,7 @@ class Tracker:
     """
 
     op: str | None = None
+    peers: tuple[int, ...] | None = None  # the ranks ``op`` waits with (None: every rank)
     since: float = 0.0
     entered: int = 0  # collectives entered, this rank's sequence number
     completed: int = 0
@@ -149,12 +148,20 @@ class Tracker:
     failure: HangError | None = None  # set by the watchdog under on_hang="raise"
     ddp_sync_pending: bool = False
 
-    def run(self, op: str, call: Callable[[], Any], *, issued: bool = True) -> Any:
+    def run(
+        self,
+        op: str,
+        call: Callable[[], Any],
+        *,
+        issued: bool = True,
+        peers: tuple[int, ...] | None = None,
+    ) -> Any:
         """``call()``, marked as a wait in ``op`` (the wrappers inline the same steps).
 
-        ``issued=False`` for the wait on a collective already counted when issued.
+        ``issued=False`` for the wait on a collective already counted when issued;
+        ``peers``: the ranks it waits with, when not every rank.
         """
-        self.op, self.since = op, time.monotonic()
+        self.op, self.peers, self.since = op, peers, time.monotonic()
         if issued:
             self.entered += 1
         try:
@@ -182,11 +189,19 @@ class Tracker:
         return None, 0.0
 
 
-def install(tracker: Tracker, *, debug: bool, cuda: bool) -> Callable[[], None]:
+#: Point-to-point operations: they pair two ranks, never checked as collectives of a group.
+POINT_TO_POINT = frozenset({"send", "recv"})
+
+#: ``check(op, group, caller)`` before a collective: raises when the ranks differ.
+LockstepCheck = Callable[[str, Any, FrameType | None], None]
+
+
+def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Callable[[], None]:
     """Replace the tracked collectives and ``torch.autograd.backward``; returns the undo.
 
     Only from the main thread: other threads' collectives (e.g. a user's
-    background all-reduce) are passed through untracked.
+    background all-reduce) are passed through untracked. ``check`` (debug
+    mode) runs before every collective that is not point-to-point.
     """
     main = threading.main_thread().ident
     originals: dict[tuple[Any, str], Any] = {}
@@ -197,7 +212,9 @@ def install(tracker: Tracker, *, debug: bool, cuda: bool) -> Callable[[], None]:
 
     for name in TRACKED:
         if hasattr(dist, name):
-            replace(dist, name, _collective(tracker, name, getattr(dist, name), debug, cuda, main))
+            original = getattr(dist, name)
+            checked = None if name in POINT_TO_POINT else check
+            replace(dist, name, _collective(tracker, name, original, checked, cuda, main))
     replace(torch.autograd, "backward", _backward(tracker, torch.autograd.backward, cuda, main))
     replace(DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel))
 
@@ -212,29 +229,39 @@ def _collective(
     tracker: Tracker,
     name: str,
     original: Callable[..., Any],
-    debug: bool,
+    check: LockstepCheck | None,
     cuda: bool,
     main: int | None,
 ) -> Callable[..., Any]:
     label = f"{name}()"
     monotonic, get_ident = time.monotonic, threading.get_ident
+    group_at = _group_position(original)
+
+    def group_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if "group" in kwargs:
+            return kwargs["group"]
+        return args[group_at] if group_at is not None and len(args) > group_at else None
 
     # The steps of Tracker.run, inlined: this runs on every collective of the job.
     @functools.wraps(original)
     def tracked(*args: Any, **kwargs: Any) -> Any:
         if tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
+        group = group_of(args, kwargs)
+        what, peers = (label, None) if group is None else describe(name, group)
+        if name in POINT_TO_POINT:
+            what, peers = describe_transfer(name, group, args, kwargs)
         if kwargs.get("async_op"):  # the wait happens later, in work.wait()
             tracker.entered += 1
-            if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
-                check_lockstep(name, tracker.entered, sys._getframe(1))
+            if check is not None:
+                check(name, group, sys._getframe(1))
             work = original(*args, **kwargs)
-            return work if work is None else TrackedWork(work, tracker, label, main)
-        tracker.op, tracker.since = label, monotonic()
+            return work if work is None else TrackedWork(work, tracker, what, main, peers)
+        tracker.op, tracker.peers, tracker.since = what, peers, monotonic()
         tracker.entered += 1
         try:
-            if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
-                check_lockstep(name, tracker.entered, sys._getframe(1))
+            if check is not None:
+                check(name, group, sys._getframe(1))
             result = original(*args, **kwargs)
         except Exception as error:
             if tracker.failure is not None:  # the hang was reported; the peers are going
@@ -244,10 +271,50 @@ def _collective(
             tracker.op = None
             tracker.completed += 1
         if cuda:
-            _note_gpu_work(tracker, label)
+            _note_gpu_work(tracker, what)
         return result
 
     return tracked
+
+
+def describe(name: str, group: Any) -> tuple[str, tuple[int, ...] | None]:
+    """``("all_reduce() on ranks 0, 2", (0, 2))`` for a subgroup; ``("barrier()", None)``."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return f"{name}()", None
+    try:
+        members = tuple(dist.get_process_group_ranks(group))
+    except Exception:  # not a group torch knows: torch's own call will say so
+        return f"{name}()", None
+    if len(members) == dist.get_world_size():
+        return f"{name}()", None
+    return f"{name}() on {ranks_text(list(members))}", members
+
+
+def describe_transfer(
+    name: str, group: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str, tuple[int, ...] | None]:
+    """``("recv from rank 0", (0, me))``: a point-to-point wait names its peer (global rank).
+
+    A ``recv`` without ``src`` waits for any rank: ``("recv from any rank", None)``.
+    """
+    key, direction = ("dst", "to") if name == "send" else ("src", "from")
+    peer = kwargs.get(key, args[1] if len(args) > 1 else None)
+    in_group = kwargs.get(f"group_{key}")
+    with contextlib.suppress(Exception):
+        if peer is None and in_group is not None and group is not None:
+            peer = dist.get_global_rank(group, in_group)
+        if isinstance(peer, int):
+            return f"{name} {direction} rank {peer}", (peer, dist.get_rank())
+    return f"{name} {direction} any rank", None
+
+
+def _group_position(function: Callable[..., Any]) -> int | None:
+    """The index of ``function``'s ``group`` parameter when passed by position, else None."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("group") if "group" in names else None
 
 
 class TrackedWork:
@@ -258,16 +325,29 @@ class TrackedWork:
     Everything else is the handle's own.
     """
 
-    __slots__ = ("_label", "_main", "_tracker", "_work")
+    __slots__ = ("_label", "_main", "_peers", "_tracker", "_work")
 
-    def __init__(self, work: Any, tracker: Tracker, label: str, main: int | None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        tracker: Tracker,
+        label: str,
+        main: int | None,
+        peers: tuple[int, ...] | None = None,
+    ) -> None:
         self._work, self._tracker, self._label, self._main = work, tracker, label, main
+        self._peers = peers
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         tracker = self._tracker
         if tracker.op is not None or threading.get_ident() != self._main:
             return self._work.wait(*args, **kwargs)
-        return tracker.run(self._label, lambda: self._work.wait(*args, **kwargs), issued=False)
+        return tracker.run(
+            self._label,
+            lambda: self._work.wait(*args, **kwargs),
+            issued=False,
+            peers=self._peers,
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -313,58 +393,6 @@ def _note_gpu_work(tracker: Tracker, op: str) -> None:
     tracker.gpu_pending = (event, op, time.monotonic())
 
 
-def check_lockstep(op: str, sequence: int, caller: FrameType | None) -> None:
-    """Debug mode: raise :class:`HangError` on every rank if ranks are in different collectives.
-
-    One all-gather of two numbers per collective (the debug mode's cost); the
-    call sites travel only when the operations differ.
-    """
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    device = _comm_device()
-    mine = torch.tensor([sequence, zlib.crc32(op.encode())], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    c10d.all_gather(everyone, mine)  # the untracked original: this is part of the wait
-    if all(torch.equal(theirs, everyone[0]) for theirs in everyone):
-        return
-    sites: list[Any] = [None] * world
-    c10d.all_gather_object(sites, (op, sequence, user_site(caller)))
-    groups: dict[tuple[str, str], list[int]] = {}
-    for rank, (their_op, _, site) in enumerate(sites):
-        groups.setdefault((their_op, site), []).append(rank)
-    described = " vs ".join(
-        f"{their_op} at {site} ({ranks_text(ranks)})" for (their_op, site), ranks in groups.items()
-    )
-    sequences = ", ".join(f"rank {rank}: #{seq}" for rank, (_, seq, _) in enumerate(sites))
-    raise HangError(
-        f"ranks are in different collectives: {described} (collective sequence numbers: "
-        f"{sequences}). Every rank must issue the same collectives in the same order; "
-        "decide data-dependent branches together with ctx.any(flag) / ctx.all(flag)."
-    )
-
-
 def ranks_text(ranks: list[int]) -> str:
     """``"rank 1"`` or ``"ranks 0, 2"``."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _comm_device() -> torch.device:
-    if "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def torch_detail_debug(enabled: bool) -> Iterator[None]:
-    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for a group formed inside the block (debug mode)."""
-    if not enabled:
-        yield
-        return
-    levels: Any = dist  # the debug-level functions are not declared in the stubs
-    previous = levels.get_debug_level()
-    levels.set_debug_level(levels.DebugLevel.DETAIL)
-    try:
-        yield
-    finally:
-        levels.set_debug_level(previous)

@@ -11,15 +11,19 @@ stuck. Keys live under ``ddpctx/hang/`` of that store:
   that notice together open it once.
 - ``<n>/rank<r>``: rank ``r``'s :class:`RankState` for incident ``n``, written
   by its watchdog thread (which runs while the main thread is blocked).
-- ``<n>/report``: the report rank 0 assembled, for ranks that must raise it.
+- ``<n>/reporter``: a counter; the rank that bumps it first writes the report
+  (rank 0 at once; another rank when rank 0 has not after a few seconds).
+- ``<n>/report``: the report, for ranks that must raise it.
+- ``alive/rank<r>``: the wall-clock time rank ``r``'s watchdog last ran, so a
+  rank that does not answer is named with how long it has been silent.
 
 Formatting and diagnosis are pure functions of the states.
 
 Example:
     >>> waiting = RankState(0, "barrier()", 61.0, "train.py:57 in main", "")
     >>> stuck = RankState(1, None, 0.0, "data.py:40 in __iter__", "")
-    >>> print(diagnose([waiting, stuck], [0, 1]).split(":")[1])
-     rank 1 is not in any collective while 1 rank waits
+    >>> print(diagnose([waiting, stuck], 2).split(":")[1])
+     rank 1 is not in any collective while 1 rank waits for it (rank 0 in barrier())
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ class RankState:
     waited: float
     site: str
     stack: str
+    peers: list[int] | None = None  # the ranks ``op`` waits with (None: every rank)
+
+    def awaits(self, world_size: int) -> set[int]:
+        """The other ranks this rank's wait depends on (none when it waits in nothing)."""
+        if self.op is None:
+            return set()
+        ranks = range(world_size) if self.peers is None else self.peers
+        return set(ranks) - {self.rank}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -90,10 +102,13 @@ def _fold_line(count: int, last: str) -> str:
     return f"    [{count} library {frames} folded, innermost: {last}]"
 
 
-def snapshot(rank: int, op: str | None, waited: float) -> RankState:
+def snapshot(
+    rank: int, op: str | None, waited: float, peers: tuple[int, ...] | None = None
+) -> RankState:
     """This rank's state, taken from the watchdog thread."""
     frame = main_thread_frame()
-    return RankState(rank, op, round(waited, 1), user_site(frame), folded_stack(frame))
+    members = None if peers is None or op is None else list(peers)
+    return RankState(rank, op, round(waited, 1), user_site(frame), folded_stack(frame), members)
 
 
 class Exchange:
@@ -113,6 +128,24 @@ class Exchange:
         key = PREFIX + "open"
         self.store.compare_set(key, str(seen), str(seen + 1))
         return self.newest()
+
+    def beat(self) -> None:
+        """Note that this rank's watchdog ran now (the report says how long a silent rank was)."""
+        self.store.set(f"{PREFIX}alive/rank{self.rank}", repr(time.time()))
+
+    def silence(self, ranks: list[int]) -> dict[int, float]:
+        """Seconds since each of ``ranks`` last beat (ranks that never beat are left out)."""
+        ages = {}
+        for rank in ranks:
+            key = f"{PREFIX}alive/rank{rank}"
+            if self.store.check([key]):
+                value = self.store.get(key)
+                ages[rank] = max(0.0, time.time() - float(value))
+        return ages
+
+    def claim(self, incident: int) -> bool:
+        """True for the one rank that writes incident ``incident``'s report (the first to ask)."""
+        return int(self.store.add(f"{PREFIX}{incident}/reporter", 1)) == 1
 
     def answer(self, incident: int, state: RankState) -> None:
         self.store.set(f"{PREFIX}{incident}/rank{state.rank}", state.to_json())
@@ -140,18 +173,26 @@ class Exchange:
         return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def diagnose(states: list[RankState], answered: list[int]) -> str:
-    """The ``diagnosis:`` line for the ranks that answered."""
+def diagnose(states: list[RankState], world_size: int | None = None) -> str:
+    """The ``diagnosis:`` line for the ranks that answered, in a job of ``world_size``.
+
+    A rank outside collectives counts as stuck only when a waiting rank waits
+    for it: it is in that rank's subgroup, or its point-to-point peer.
+    """
+    size = world_size if world_size is not None else max(s.rank for s in states) + 1
     waiting = [s for s in states if s.op is not None]
-    outside = [s for s in states if s.op is None]
-    if waiting and outside:
-        who = ranks_text([s.rank for s in outside])
-        verb = "is" if len(outside) == 1 else "are"
+    outside = {s.rank for s in states if s.op is None}
+    stuck = sorted(outside & set().union(*(s.awaits(size) for s in waiting)))
+    if stuck:
+        who = ranks_text(stuck)
+        verb = "is" if len(stuck) == 1 else "are"
         count = f"{len(waiting)} rank{'s' if len(waiting) > 1 else ''}"
+        blocked = [s for s in waiting if s.awaits(size) & set(stuck)]
+        details = "; ".join(f"rank {s.rank} in {s.op}" for s in blocked)
         return (
             f"diagnosis: {who} {verb} not in any collective while {count} "
-            f"wait{'s' if len(waiting) == 1 else ''}: it is stuck, or it took a branch "
-            "the others did not."
+            f"wait{'s' if len(waiting) == 1 else ''} for {'it' if len(stuck) == 1 else 'them'} "
+            f"({details}): it is stuck, or it took a branch the others did not."
         )
     places: dict[tuple[str, str], list[int]] = {}
     for state in waiting:
@@ -172,6 +213,19 @@ def diagnose(states: list[RankState], answered: list[int]) -> str:
     return "diagnosis: no rank is in a collective any more; the wait ended by itself."
 
 
+def _silent_diagnosis(silent: list[int], answered: list[RankState], world_size: int) -> str:
+    """Ranks wait for ``silent`` ranks, which did not answer."""
+    blocked = [s for s in answered if s.awaits(world_size) & set(silent)]
+    details = "; ".join(f"rank {s.rank} in {s.op}" for s in blocked)
+    one, waiters = len(silent) == 1, len(blocked)
+    count = f"{waiters} rank{'s' if waiters > 1 else ''} wait{'s' if waiters == 1 else ''}"
+    return (
+        f"diagnosis: {ranks_text(silent)} {'is' if one else 'are'} not answering while "
+        f"{count} for {'it' if one else 'them'} ({details}): it may hold the GIL in native "
+        "code, be stopped (SIGSTOP, a debugger), or be gone."
+    )
+
+
 def _bare_op(op: str | None) -> str:
     return (op or "").removesuffix("()").split(" (", 1)[0]
 
@@ -181,28 +235,42 @@ def _file_line(site: str) -> str:
 
 
 def format_report(
-    states: list[RankState | None], hang_timeout: float, now_waited: float | None = None
+    states: list[RankState | None],
+    hang_timeout: float,
+    now_waited: float | None = None,
+    silent_for: dict[int, float] | None = None,
 ) -> str:
-    """The whole report: headline, one line per rank, the diagnosis, then every stack."""
+    """The whole report: headline, one line per rank, the diagnosis, then every stack.
+
+    ``silent_for``: seconds since a rank that did not answer last showed life.
+    """
     answered = [s for s in states if s is not None]
     silent = [rank for rank, s in enumerate(states) if s is None]
+    silent_for = silent_for or {}
     longest = max([s.waited for s in answered if s.op is not None] + [now_waited or 0.0])
     lines = [
         f"ddpctx hang report: no collective has completed for {longest:.0f} s "
         f"(hang_timeout={hang_timeout:g})"
     ]
-    someone_waits = any(s.op is not None for s in answered)
+    awaited = set().union(*(s.awaits(len(states)) for s in answered))
     for rank, state in enumerate(states):
         if state is None:
+            since = f" for {silent_for[rank]:.0f} s" if rank in silent_for else ""
             lines.append(
-                f"  rank {rank}: did not answer (it holds the GIL in native code, or is gone)"
+                f"  rank {rank}: not answering{since} (it may hold the GIL in native code, be "
+                "stopped by SIGSTOP or a debugger, or be gone)"
             )
             continue
         what = f"waiting in {state.op}" if state.op else "not in a collective"
-        tail = f"({state.waited:.0f} s)" if state.op else ("<- stuck here" if someone_waits else "")
+        tail = (
+            f"({state.waited:.0f} s)" if state.op else ("<- stuck here" if rank in awaited else "")
+        )
         lines.append(f"  rank {rank}: {what:<30} at {state.site:<30} {tail}".rstrip())
-    diagnosis = diagnose(answered, [s.rank for s in answered])
-    if silent:
+    diagnosis = diagnose(answered, len(states)) if answered else "diagnosis: no rank answered."
+    silent_awaited = [rank for rank in silent if rank in awaited]
+    if silent_awaited and " is not in any collective" not in diagnosis:
+        diagnosis = _silent_diagnosis(silent_awaited, answered, len(states))
+    elif silent:
         diagnosis += f" ({ranks_text(silent)} did not answer.)"
     lines.append(diagnosis)
     lines.append("full stacks follow (main thread, outermost call first):")

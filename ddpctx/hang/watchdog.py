@@ -5,7 +5,12 @@ daemon thread that wakes once a second and reads this rank's
 :class:`~ddpctx.hang.inflight.Tracker`. When this rank has waited in one collective
 for ``hang_timeout`` seconds it opens an *incident* in the job's store; every
 rank's thread answers with its main thread's state and stack; rank 0 prints ONE
-report to stderr (:mod:`ddpctx.hang.report`). The waits that an incident
+report to stderr (:mod:`ddpctx.hang.report`). When rank 0 cannot (its main
+thread holds the GIL in native code, or the process is stopped), the first
+other rank that sees no report within a few seconds prints it, naming the
+ranks that did not answer and how long since each last showed life (every
+watchdog notes the time in the store at each tick). A rank holding the GIL
+cannot answer at all: what it waits in is unknown until it lets go. The waits that an incident
 covered are not reported again, so a slow rank-0 checkpoint write is reported
 once and the job goes on (``on_hang="report"``). With ``on_hang="raise"``
 every rank then raises :class:`HangError` carrying the report: ranks running
@@ -41,11 +46,14 @@ from dataclasses import dataclass
 import torch.distributed.distributed_c10d as c10d
 
 from ddpctx.hang.inflight import HangError, Tracker, install
+from ddpctx.hang.lockstep import Lockstep
 from ddpctx.hang.report import Exchange, RankState, format_report, snapshot
 from ddpctx.utils.errors import record_for_torchrun
 
 #: The longest default ``hang_timeout``, in seconds.
 MAX_DEFAULT_HANG_TIMEOUT_S = 300.0
+#: The shortest ``hang_timeout`` accepted (0 turns the doctor off): one watchdog tick.
+MIN_HANG_TIMEOUT_S = 1.0
 #: How often the watchdog wakes (at most once a second, by contract).
 TICK_S = 1.0
 #: How long rank 0 waits for the other ranks' answers.
@@ -93,37 +101,47 @@ def resolve_hang_settings(
         )
     if not isinstance(debug, bool):
         raise ValueError(f"debug={debug!r} must be True or False.")
-    seconds = _hang_seconds(hang_timeout, collective_timeout_s, environ)
+    seconds, name = _hang_seconds(hang_timeout, collective_timeout_s, environ)
+    if 0 < seconds < MIN_HANG_TIMEOUT_S:
+        raise ValueError(
+            f"{name}={seconds:g} s is below the hang doctor's floor of "
+            f"{MIN_HANG_TIMEOUT_S:g} s (its thread wakes once a second, so a shorter wait "
+            "cannot be told from healthy work). Set "
+            f"{name}={MIN_HANG_TIMEOUT_S:g} or more, or {name}=0 to turn the hang doctor off."
+        )
     if seconds >= collective_timeout_s:
         raise ValueError(
-            f"hang_timeout={seconds:g} s is not below the collective timeout of "
+            f"{name}={seconds:g} s is not below the collective timeout of "
             f"{collective_timeout_s:g} s, so the report would come after the job failed. "
-            f"Pass a smaller hang_timeout (e.g. {collective_timeout_s / 5:g}) or a larger timeout."
+            f"Set a smaller {name} (e.g. {collective_timeout_s / 5:g}) or a larger timeout."
         )
     return HangSettings(seconds, str(on_hang), debug or _debug_from_env(environ))
 
 
-def _hang_seconds(value: object, collective_timeout_s: float, environ: Mapping[str, str]) -> float:
+def _hang_seconds(
+    value: object, collective_timeout_s: float, environ: Mapping[str, str]
+) -> tuple[float, str]:
+    """``(seconds, the name it came from)``: ``hang_timeout`` or ``DDPCTX_HANG_TIMEOUT``."""
     if value is None:
         raw = environ.get("DDPCTX_HANG_TIMEOUT", "").strip()
         if raw == "":
-            return min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S)
+            return min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S), "hang_timeout"
         try:
             seconds = float(raw)
         except ValueError:
             seconds = -1.0
-        if not seconds >= 0:
+        if not 0 <= seconds < float("inf"):
             raise ValueError(
                 f"DDPCTX_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0. Set it to e.g. "
                 "60, to 0 to turn the hang doctor off, or unset it for the default."
             )
-        return seconds
+        return seconds, "DDPCTX_HANG_TIMEOUT"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(
             f"hang_timeout={value!r} must be a number of seconds >= 0: e.g. hang_timeout=60, "
             "or hang_timeout=0 to turn the hang doctor off."
         )
-    return float(value)
+    return float(value), "hang_timeout"
 
 
 def _debug_from_env(environ: Mapping[str, str]) -> bool:
@@ -154,6 +172,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="ddpctx-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        self.exchange.beat()  # from the main thread: a rank silent from the start has a time too
         self._thread.start()
         return self
 
@@ -170,6 +189,7 @@ class Watchdog:
             return
 
     def _tick(self) -> None:
+        self.exchange.beat()
         op, waited = self.tracker.waited(time.monotonic())
         newest = self.exchange.newest()
         if newest > self._seen:
@@ -185,26 +205,52 @@ class Watchdog:
         self._seen = incident
         if op is not None:
             self._covered = self.tracker.entered
-        self.exchange.answer(incident, snapshot(self.rank, op, waited))
-        report = None
-        if self.rank == 0:
-            states = self.exchange.collect(incident, time.monotonic() + ANSWER_WAIT_S)
-            report = format_report(states, self.settings.hang_timeout)
-            print(report, file=sys.stderr, flush=True)
-            self.exchange.publish(incident, report)
-            self.reports.append(report)
+        peers = self.tracker.peers if self.tracker.op is not None else None
+        self.exchange.answer(incident, snapshot(self.rank, op, waited, peers))
+        # Rank 0 reports; when it cannot (GIL held in native code, stopped), the first
+        # other rank that finds no report in time does, naming rank 0 as not answering.
+        report = self._report(incident) if self.rank == 0 else None
+        if report is None:
+            report = self._await_report(incident)
         if self.settings.on_hang == "raise":
-            self._raise(report or self._await_report(incident, op, waited))
+            own = RankState(self.rank, op, waited, "?", "")
+            fallback = format_report([own], self.settings.hang_timeout) + " (no rank sent a report)"
+            self._raise(report or fallback)
 
-    def _await_report(self, incident: int, op: str | None, waited: float) -> str:
+    def _report(self, incident: int, wait_s: float = ANSWER_WAIT_S) -> str | None:
+        """Collect, print and publish the report, unless another rank already claimed it.
+
+        ``wait_s``: how long to wait for answers still missing.
+        """
+        if not self.exchange.claim(incident):
+            return None
+        states = self.exchange.collect(incident, time.monotonic() + wait_s)
+        silent = [rank for rank, state in enumerate(states) if state is None]
+        silent_for = self.exchange.silence(silent)
+        report = format_report(states, self.settings.hang_timeout, silent_for=silent_for)
+        print(report, file=sys.stderr, flush=True)
+        self.exchange.publish(incident, report)
+        self.reports.append(report)
+        return report
+
+    def _await_report(self, incident: int) -> str | None:
+        """The published report; this rank writes it when none came in time."""
         deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S
-        while time.monotonic() < deadline and not self._stop.is_set():
+        claimed = False
+        while not self._stop.is_set():
             report = self.exchange.published(incident)
             if report is not None:
                 return report
+            if time.monotonic() >= deadline:
+                if claimed:
+                    return None
+                claimed = True
+                report = self._report(incident, wait_s=TICK_S)  # the others had their time
+                if report is not None:
+                    return report
+                deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S  # another rank writes
             time.sleep(0.1)
-        own = RankState(self.rank, op, waited, "?", "")
-        return format_report([own], self.settings.hang_timeout) + " (rank 0 sent no report)"
+        return None
 
     def _raise(self, report: str) -> None:
         """Make the main thread raise :class:`HangError`; exit if it is blocked in native code."""
@@ -264,7 +310,8 @@ class Doctor:
         if not settings.active:
             return
         tracker = Tracker()
-        self._undo = install(tracker, debug=settings.debug, cuda=cuda)
+        check = Lockstep() if settings.debug else None
+        self._undo = install(tracker, check=check, cuda=cuda)
         if settings.hang_timeout > 0:
             try:
                 store = c10d._get_default_store()

@@ -35,7 +35,13 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpctx.rankzero.outcome import Outcome, share
+from ddpctx.rankzero.outcome import (
+    Outcome,
+    inside_rank_zero_work,
+    refuse_inside_first,
+    running_alone,
+    share,
+)
 from ddpctx.utils.atomic import remove_abandoned, replace_dir, temporary_name
 from ddpctx.utils.identity import Place
 
@@ -44,15 +50,27 @@ from ddpctx.utils.identity import Place
 def rank_zero_block(place: Place, local: bool = False) -> Iterator[bool]:
     """Yield True on (local) rank 0 and False elsewhere; on exit every rank waits for rank 0.
 
-    A failure inside rank 0's block is raised on every rank.
+    A failure inside rank 0's block is raised on every rank. Inside other
+    rank-zero work the block simply runs where it is (nobody else is there to
+    wait), and rank-zero work inside the block runs directly too, as inside a
+    ``@rank_zero_only`` function (see :mod:`ddpctx.rankzero.outcome`).
     """
+    nested = inside_rank_zero_work()
+    if nested == "first":
+        refuse_inside_first("a rank_zero() block or atomic_dir()")
+    if nested == "function":
+        main = place.is_zero(local)
+        with running_alone("function"):
+            yield main
+        return
     if not place.is_zero(local):
         yield False
         outcome, source = share(None, place, local)
         outcome.result(source)  # RankZeroError if rank 0's block failed
         return
     try:
-        yield True
+        with running_alone("function"):  # nested waits must not wait for the others
+            yield True
     except Exception as error:
         share(Outcome.failure(error), place, local)
         raise

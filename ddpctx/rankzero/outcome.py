@@ -11,7 +11,8 @@ each node's local main is then shared with one ``all_gather_object``, with no
 per-node subgroups to create.
 
 Rank-zero work inside rank-zero work: while (local) rank 0 runs a
-rank-zero function, the other ranks are not running it, so a nested call with
+rank-zero function (or the body of a ``ctx.rank_zero()`` block or of
+``ctx.atomic_dir()``), the other ranks are not running it, so a nested call with
 ``barrier`` / ``broadcast`` must not wait for them: it simply runs (there is
 nothing to synchronise with). Inside a ``rank_zero_first`` block the others
 run the block later, so a nested wait can never be matched: it is refused
@@ -127,7 +128,7 @@ def inside_rank_zero_work() -> str | None:
     return _alone.kinds[-1] if _alone.kinds else None
 
 
-def _refuse_inside_first(what: str) -> None:
+def refuse_inside_first(what: str) -> None:
     raise RuntimeError(
         f"{what} was called inside a rank_zero_first block. Rank 0 runs that block before "
         "the other ranks, so they can never wait for it there and the job would hang. "
@@ -173,7 +174,7 @@ def on_rank_zero(
     """
     nested = inside_rank_zero_work()
     if nested == "first":
-        _refuse_inside_first("a rank-zero function with barrier=True or broadcast=True")
+        refuse_inside_first("a rank-zero function with barrier=True or broadcast=True")
     if nested == "function":
         if place.is_zero(local):
             return True, work()
@@ -204,7 +205,7 @@ def zero_first(place: Place, local: bool) -> Iterator[None]:
     """The block runs on (local) rank 0 first, then on the others; a failure reaches all."""
     nested = inside_rank_zero_work()
     if nested == "first":
-        _refuse_inside_first("rank_zero_first")
+        refuse_inside_first("rank_zero_first")
     if nested == "function" or place.world_size == 1 or not dist.is_initialized():
         yield  # alone already (or alone in the job): nobody to go first for
         return

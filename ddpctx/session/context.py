@@ -46,7 +46,6 @@ import contextlib2
 import torch
 import torch.distributed as dist
 
-from ddpctx.hang.inflight import torch_detail_debug
 from ddpctx.hang.watchdog import Doctor, HangSettings, resolve_hang_settings
 from ddpctx.session.distcontext import DistContext
 from ddpctx.session.group import destroy_group_bounded, init_group
@@ -100,9 +99,11 @@ def distributed(
             else a fifth of ``timeout``, at most 300. ``0`` turns it off.
         on_hang: ``"report"`` (print the report, keep waiting) or ``"raise"``
             (every rank raises :class:`~ddpctx.HangError` carrying the report).
-        debug: check before every collective that all ranks are in the same one
-            (one extra tiny collective each), and turn on torch's
-            ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for a group formed here. Also
+        debug: check before every collective, on its own process group, that
+            the group's members are in the same one (one extra two-number
+            all-gather each; :mod:`ddpctx.hang.lockstep`). ``send``/``recv``
+            are not checked. torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is
+            not turned on (with gloo it makes DDP crash). Also
             ``DDPCTX_DEBUG=collectives``.
 
     The same script runs under ``torchrun``, under ``srun`` and as a plain
@@ -168,8 +169,7 @@ class DistributedSession:
             if plan.device.type == "cuda":
                 torch.cuda.set_device(plan.device)
             if not plan.adopted:
-                with torch_detail_debug(plan.hang.debug):
-                    init_group(plan.info, plan.backend, plan.device, plan.timeout)
+                init_group(plan.info, plan.backend, plan.device, plan.timeout)
                 stack.callback(destroy_group_bounded)
             doctor = Doctor(
                 plan.hang, plan.info.rank, plan.info.world_size, cuda=plan.device.type == "cuda"

@@ -198,10 +198,16 @@ def _detect_env(environ: Mapping[str, str], rendezvous: bool) -> LaunchInfo:
 
 
 def _read_address(environ: Mapping[str, str], name: str) -> str:
-    """A host name or address that torch will read from ``environ`` as it is.
+    """A host name or address, checked by the same rules on every launcher path.
 
     env:// takes the variable verbatim, so ``"127.0.0.1 "`` (what ``$(hostname
-    -I)`` gives) would be looked up with its space and never reached: refused.
+    -I)`` gives) would be looked up with its space and never reached, and
+    ``"127.0.0.1 127.0.0.2"`` names two hosts: refused. A bracketed IPv6
+    address (``[::1]``, URL syntax) is not a host name to the store: refused
+    with the bare address as the fix, instead of a rendezvous timeout.
+
+    >>> _read_address({"MASTER_ADDR": "::1"}, "MASTER_ADDR")
+    '::1'
     """
     raw = environ[name]
     address = raw.strip()
@@ -210,6 +216,12 @@ def _read_address(environ: Mapping[str, str], name: str) -> str:
             f"{name}={raw!r} contains whitespace, which torch would take as part of the host "
             f"name: no rank could reach it. Set {name}={address.split()[0]!r} (one address, "
             "no spaces)."
+        )
+    if address.startswith("[") or address.endswith("]"):
+        raise ValueError(
+            f"{name}={raw!r} is an address in URL brackets, which the rendezvous store "
+            f"cannot resolve (every rank would time out). Set {name}={address.strip('[]')!r} "
+            "(an IPv6 address without brackets)."
         )
     return address
 
@@ -220,6 +232,10 @@ def _read_port(environ: Mapping[str, str], name: str) -> int:
     if port > 65535:
         raise ValueError(f"{name}={environ[name]!r} is not a TCP port. {fix}")
     return port
+
+
+def _is_set(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "").strip() != ""
 
 
 def _first_set(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
@@ -262,7 +278,9 @@ def _detect_slurm(environ: Mapping[str, str]) -> LaunchInfo:
     master_addr: str | None = None
     master_port: int | None = None
     if world_size > 1:
-        master_addr = environ.get("MASTER_ADDR", "").strip() or None
+        master_addr = (
+            _read_address(environ, "MASTER_ADDR") if _is_set(environ, "MASTER_ADDR") else None
+        )
         if master_addr is None:
             nodelist_name = _first_set(
                 environ, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
@@ -336,7 +354,9 @@ def _detect_mpi(environ: Mapping[str, str]) -> LaunchInfo:
     master_addr: str | None = None
     master_port: int | None = None
     if world_size > 1:
-        master_addr = environ.get("MASTER_ADDR", "").strip() or None
+        master_addr = (
+            _read_address(environ, "MASTER_ADDR") if _is_set(environ, "MASTER_ADDR") else None
+        )
         if master_addr is None:
             raise ValueError(
                 f"MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE={world_size}: Open MPI does "

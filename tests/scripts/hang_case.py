@@ -8,11 +8,21 @@ so ``on_hang="report"`` jobs end successfully):
 - ``raw``: rank 1 waits in a raw ``torch.distributed.all_reduce``; rank 0 sleeps.
 - ``ddp``: rank 1 skips ``backward()`` for a while; the others wait in DDP's backward.
 - ``slow_save``: rank 0's checkpoint write takes longer than ``hang_timeout``.
+- ``p2p`` (3 ranks): rank 1 waits in ``recv`` from rank 0, which sleeps; rank 2 sleeps
+  too, outside the pair.
+- ``gil``: rank 0 holds the GIL in native code (its watchdog cannot run) for
+  ``8 * SECONDS + 4`` s; rank 1 waits in a barrier.
+- ``stopped``: rank 0 stops itself with SIGSTOP; rank 1 waits in a barrier and sends
+  it SIGCONT after ``8 * SECONDS + 4`` s.
 
 Lines the tests look for end in a ``# <NAME>`` marker.
 """
 
+import ctypes
+import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -58,4 +68,27 @@ with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
         loss.backward()  # BACKWARD
     elif case == "slow_save":
         write_checkpoint()  # SAVE
+    elif case == "p2p":
+        data = torch.zeros(2)
+        if ctx.rank == 0:
+            time.sleep(late)  # P2P-SLEEP
+            dist.send(data, dst=1)
+        elif ctx.rank == 1:
+            dist.recv(data, src=0)  # RECV
+        else:
+            time.sleep(late)  # BYSTANDER
+        dist.barrier()
+    elif case == "gil":
+        if ctx.rank == 0:
+            ctypes.PyDLL(None).sleep(int(8 * seconds + 4))  # GIL
+        dist.barrier()  # GIL-BARRIER
+    elif case == "stopped":
+        pids: list[object] = [None] * ctx.world_size
+        dist.all_gather_object(pids, os.getpid())
+        if ctx.rank == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            resume = threading.Timer(8 * seconds + 4, os.kill, (pids[0], signal.SIGCONT))
+            resume.start()
+        dist.barrier()  # STOPPED-BARRIER
     ctx.print("JOB-DONE")
