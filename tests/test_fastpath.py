@@ -303,7 +303,7 @@ def test_debug_mode_checks_lockstep_through_the_fast_path(monkeypatch: pytest.Mo
     assert isinstance(caught.value.original, HangError)
     message = str(caught.value.original)
     # which lines it names is the hang doctor's business (tests/test_hang.py)
-    assert "ranks are in different collectives: barrier at" in message
+    assert "ranks are in different collectives on the default group: barrier at" in message
     assert "vs all_reduce at" in message
 
 
