@@ -45,6 +45,7 @@ from ddpctx.checkpoint.files import (
 from ddpctx.checkpoint.meta import plain_meta
 from ddpctx.data.loader import ShardLoader
 from ddpctx.data.sampling import Position
+from ddpctx.parallel.sharding import refuse_unsaveable
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
@@ -121,6 +122,9 @@ def save(
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be a non-negative int (the global step), or None.")
     extra = _check_extra(extra)
+    for item in (model, *extra.values()):  # one rank's shard must never pass for the model
+        if isinstance(item, nn.Module):
+            refuse_unsaveable(item, "save_checkpoint")
     plain = plain_meta(meta)  # refused here, on every rank, before anything is written
     everyone = gather((rng_state(), _positions(loaders)))
     rng_states = [states for states, _ in everyone]
@@ -185,6 +189,9 @@ def load(
 ) -> tuple[dict[str, Any] | None, list[tuple[Position | None, int]]]:
     """The meta (None when no checkpoint at all) and each saved loader's position to resume."""
     extra = _check_extra(extra)
+    for item in (model, *extra.values()):
+        if isinstance(item, nn.Module):
+            refuse_unsaveable(item, "load_checkpoint")
     _, chosen = on_rank_zero(place, lambda: newest_checkpoint(directory), broadcast=True)
     if chosen is None:
         return None, []
