@@ -28,9 +28,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import DTensor
+
+from ddpctx.parallel.wrapping import unwrap_model
 
 #: ``blocks=``: module classes to shard one by one, or a ``(name, module) -> bool`` predicate.
 BlockPolicy = Sequence[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool]
@@ -147,3 +150,21 @@ def refuse_unsaveable(model: nn.Module, what: str) -> None:
             "with torch.distributed.checkpoint, or get the whole weights with "
             "ctx.full_state_dict(model)."
         )
+
+
+def full_state_dict(model: nn.Module, rank: int) -> dict[str, Any]:
+    """The whole model's weights on rank 0, on CPU; an empty dict on the other ranks.
+
+    A collective for sharded models (every rank must call it); a copy of the
+    bare module's state on rank 0 for the others.
+
+    >>> import torch
+    >>> sorted(full_state_dict(torch.nn.Linear(2, 1), rank=0))
+    ['bias', 'weight']
+    """
+    if sharding_of(model) is not None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return dict(get_model_state_dict(model, options=options))
+    if rank != 0:
+        return {}
+    return {name: value.detach().cpu() for name, value in unwrap_model(model).state_dict().items()}

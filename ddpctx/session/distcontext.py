@@ -7,8 +7,9 @@ Each face lives beside the subsystem it fronts and is a thin layer over it:
 - :class:`~ddpctx.rankzero.faces.RankZeroFaces`: ``rank_zero_first``,
   ``rank_zero``, ``atomic_dir``, ``progress``, ``print``, ``is_main``.
 - :class:`~ddpctx.data.faces.DataFaces`: ``dataloader``, ``epochs``.
-- :class:`~ddpctx.parallel.faces.ModelFaces`: ``wrap``, ``unwrap``, ``no_sync``,
-  ``accumulate``.
+- :class:`~ddpctx.parallel.faces.ModelFaces`: ``wrap``, ``shard``, ``unwrap``, ``no_sync``,
+  ``accumulate``, ``precision``, ``autocast``, ``scaler``, ``clip_grad_norm_``,
+  ``full_state_dict``.
 - :class:`~ddpctx.checkpoint.faces.CheckpointFaces`: ``save``, ``load``,
   ``save_checkpoint``, ``load_checkpoint``.
 
@@ -27,6 +28,7 @@ from ddpctx.data.faces import DataFaces
 from ddpctx.data.loader import ShardLoader
 from ddpctx.data.sampling import Position
 from ddpctx.parallel.faces import ModelFaces
+from ddpctx.parallel.precision import Precision
 from ddpctx.rankzero.faces import RankZeroFaces
 from ddpctx.reduce.collectives import Site
 from ddpctx.reduce.faces import CollectiveFaces
@@ -62,6 +64,7 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
         device: torch.device,
         seed: int | None,
         close: Callable[[], None],
+        precision: Precision | None = None,
     ) -> None:
         self.rank: int = info.rank
         self.world_size: int = info.world_size
@@ -78,6 +81,9 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
         self._sites: dict[str, Site] = {}
         self._loaders: list[ShardLoader] = []
         self._resume_positions: list[tuple[Position | None, int]] = []
+        self._precision = precision or Precision("32", device.type)
+        self._mesh = None
+        self._scaler = None
 
     def __repr__(self) -> str:
         return (
