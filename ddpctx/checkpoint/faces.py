@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpctx.checkpoint import resume
+from ddpctx.checkpoint import resume, sharded
 from ddpctx.checkpoint.files import load_file
 from ddpctx.data.dataloader import apply_position
 from ddpctx.data.loader import ShardLoader
@@ -77,9 +77,12 @@ class CheckpointFaces:
         back from :meth:`load_checkpoint`; NumPy values, paths and
         namespaces are converted, anything that would not load is refused
         here (see :mod:`ddpctx.checkpoint.meta`). Call it every K steps with ``step=``
-        to resume mid-epoch.
+        to resume mid-epoch. A sharded model (``ctx.shard``, or FSDP2 applied by
+        hand) is saved as a directory in which every rank writes its shards
+        (:mod:`ddpctx.checkpoint.sharded`), with the same promises.
         """
-        return resume.save(
+        writer = sharded.save if sharded.is_sharded(model) else resume.save
+        return writer(
             self._place(),
             self.all_gather,
             self._loaders,
@@ -116,8 +119,12 @@ class CheckpointFaces:
         is refused is an error, as is a directory where no checkpoint loads.
         A checkpoint from another world size is an error unless
         ``allow_world_size_change=True`` (see :mod:`ddpctx.checkpoint.resume`).
+        A sharded checkpoint loads at any world size into a sharded or an
+        unsharded model (:mod:`ddpctx.checkpoint.sharded`).
         """
-        meta, positions = resume.load(
+        sharded_read = sharded.reads_sharded(self._place(), Path(directory), model)
+        reader = sharded.load if sharded_read else resume.load
+        meta, positions = reader(
             self._place(),
             self.device,
             self._loaders,

@@ -1,0 +1,338 @@
+"""Checkpoints of sharded (FSDP2) models: every rank writes its shards; DDP checkpoints' promises.
+
+A sharded checkpoint is a *directory* beside the single-file ones, numbered
+in the same sequence: ``checkpoint-000008-epoch3-step120.dcp/``. It holds
+
+- the model's and the optimizer's shards, written by every rank through
+  ``torch.distributed.checkpoint`` (DCP) from ``get_state_dict`` (keyed by
+  parameter names, so any world size can load them: DCP reshards on load);
+- ``ddpctx.pt``, written by rank 0 last: the checkpoint format, the world
+  size, the meta, every rank's random state, every loader's position, and the
+  scheduler, AMP scaler and ``extra`` states (the same on every rank).
+
+Atomic: every rank writes into ``.<name>.<host>.<pid>.<random>.tmp/``; once
+DCP's save has returned on every rank (its metadata file is written after
+all shards), rank 0 writes ``ddpctx.pt``, checks that it loads, and renames
+the directory to its final name. A crash at any point leaves a temporary
+that is never chosen (and that a later save removes once its writer is
+provably gone), so the previous checkpoint stays the newest loadable one.
+``keep=N`` prunes the older directories, never the newest that loads.
+
+Loading picks the newest directory whose ``ddpctx.pt`` and DCP metadata are
+there (an incomplete one is skipped with a warning), loads the shards into
+the model and optimizer at *this* world size, and restores the rest exactly
+as :mod:`ddpctx.checkpoint.resume` does for single-file checkpoints. All
+ranks must see the same directory (a shared file system across nodes).
+
+Example:
+    >>> checkpoint_dirs(Path("/nonexistent"))
+    []
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from ddpctx.checkpoint.files import (
+    FORMAT,
+    RefusedCheckpoint,
+    bare,
+    check_world_size,
+    checkpoint_paths,
+    load_file,
+    probe,
+)
+from ddpctx.checkpoint.meta import plain_meta
+from ddpctx.checkpoint.resume import Gather, _check_extra, _position, derived_seed, loader_records
+from ddpctx.data.loader import ShardLoader
+from ddpctx.data.sampling import Position
+from ddpctx.parallel.sharding import sharding_of
+from ddpctx.rankzero.outcome import on_rank_zero
+from ddpctx.utils.atomic import atomic_save, fsync_directory, is_abandoned, temporary_name
+from ddpctx.utils.identity import Place
+from ddpctx.utils.seeding import rng_state, seed_everything, set_rng_state
+
+STATE_FILE = "ddpctx.pt"
+_NAME = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.dcp$")
+_ANY_NAME = re.compile(r"^checkpoint-(\d{6,})")
+
+
+def checkpoint_dirs(directory: Path) -> list[Path]:
+    """The sharded checkpoint directories in ``directory``, newest (highest number) first."""
+    if not directory.is_dir():
+        return []
+    numbered = [
+        (int(match.group(1)), path.name, path)
+        for path in directory.iterdir()
+        if (match := _NAME.match(path.name)) and path.is_dir()
+    ]
+    return [path for _, _, path in sorted(numbered, reverse=True)]
+
+
+def next_checkpoint_dir(directory: Path, epoch: object = None, step: int | None = None) -> Path:
+    """One past the highest number of any checkpoint here (file or directory), labelled.
+
+    >>> import tempfile
+    >>> next_checkpoint_dir(Path(tempfile.mkdtemp()), epoch=2, step=40).name
+    'checkpoint-000001-epoch2-step40.dcp'
+    """
+    numbers = [
+        int(match.group(1))
+        for path in [*checkpoint_paths(directory), *checkpoint_dirs(directory)]
+        if (match := _ANY_NAME.match(path.name))
+    ]
+    label = ""
+    if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+        label += f"-epoch{epoch}"
+    if step is not None:
+        label += f"-step{step}"
+    return directory / f"checkpoint-{max(numbers, default=0) + 1:06d}{label}.dcp"
+
+
+def _complete(path: Path) -> bool:
+    """Whether the directory holds a whole checkpoint; warns (and says why) when it does not."""
+    if (path / ".metadata").is_file() and probe(path / STATE_FILE) is not None:
+        return True
+    if not (path / STATE_FILE).exists() or not (path / ".metadata").exists():
+        warnings.warn(
+            f"skipping {str(path)!r}: it lacks {STATE_FILE} or DCP's .metadata (incomplete, or "
+            "altered after it was written); trying an older checkpoint.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def newest_checkpoint_dir(directory: Path) -> Path | None:
+    """The newest complete sharded checkpoint; None when there is no checkpoint at all."""
+    found = checkpoint_dirs(directory)
+    for path in found:
+        if _complete(path):
+            return path
+    if found:
+        raise RuntimeError(
+            f"{str(directory)!r} holds {len(found)} sharded checkpoint(s) "
+            f"({', '.join(p.name for p in found[:5])}) and none of them is complete. Refusing "
+            "to start over silently: restore a good checkpoint, or move the directory away "
+            "to start a new run."
+        )
+    files = checkpoint_paths(directory)
+    if files:
+        raise RefusedCheckpoint(
+            f"{str(directory)!r} holds only single-file checkpoints ({files[0].name}, ...), "
+            "written from an unsharded model, and this model is sharded. Load it into the "
+            "unsharded model first (then ctx.shard it and save again), or use another directory."
+        )
+    return None
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s checkpoints are written here (FSDP2) rather than as one file."""
+    return sharding_of(model) == "fsdp2"
+
+
+def reads_sharded(place: Place, directory: Path, model: nn.Module) -> bool:
+    """Whether to load from a sharded checkpoint: for a sharded model, or when the newest is one.
+
+    An unsharded model loads a sharded checkpoint too (each rank reads whole
+    tensors), so a run sharded before can continue under DDP. Decided on rank
+    0, so every rank takes the same path.
+    """
+    if is_sharded(model):
+        return True
+
+    def newest_is_sharded() -> bool:
+        dirs, files = checkpoint_dirs(directory), checkpoint_paths(directory)
+        number = [
+            int(m.group(1)) if (m := _ANY_NAME.match(p[0].name)) else -1 for p in (dirs, files) if p
+        ]
+        return bool(dirs) and (not files or number[0] > number[1])
+
+    return bool(on_rank_zero(place, newest_is_sharded, broadcast=True)[1])
+
+
+def _prune(directory: Path, keep: int, newest_good: Path) -> None:
+    for old in checkpoint_dirs(directory)[keep:]:
+        if old != newest_good:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob(".checkpoint-*.dcp.*.tmp"):
+        if is_abandoned(stale):  # a killed save's leftovers; never a live writer's
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _refuse_sharded_extra(extra: dict[str, Any]) -> None:
+    for name, item in extra.items():
+        if isinstance(item, nn.Module) and sharding_of(item) is not None:
+            raise TypeError(
+                f"extra[{name!r}] is a sharded module: extra= is saved from rank 0 alone, which "
+                "holds one shard of it. Keep it unsharded, or save it in its own checkpoint "
+                "directory as model=."
+            )
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(model, [] if optimizer is None else [optimizer])
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optimizer_state
+    return state
+
+
+def save(
+    place: Place,
+    gather: Gather,
+    loaders: Sequence[ShardLoader],
+    base_seed: int | None,
+    directory: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    extra: dict[str, Any] | None,
+    step: int | None,
+    keep: int,
+    meta: dict[str, Any],
+) -> Path:
+    """Write a sharded checkpoint (see the module docstring); every rank gets its path."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r} must be a positive int (how many checkpoints to keep).")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be a non-negative int (the global step), or None.")
+    extra = _check_extra(extra)
+    _refuse_sharded_extra(extra)
+    plain = plain_meta(meta)  # refused here, on every rank, before anything is written
+    everyone = gather((rng_state(), [loader.position() for loader in loaders]))
+    records = loader_records(loaders, [positions for _, positions in everyone])
+
+    def begin() -> tuple[str, str]:
+        directory.mkdir(parents=True, exist_ok=True)
+        final = next_checkpoint_dir(directory, plain.get("epoch"), step)
+        temporary = temporary_name(final)
+        temporary.mkdir()
+        return str(final), str(temporary)
+
+    _, (final_name, temporary_name_) = on_rank_zero(place, begin, broadcast=True)
+    final, temporary = Path(final_name), Path(temporary_name_)
+    try:
+        dcp_save(_sharded_state(model, optimizer), checkpoint_id=temporary)
+    except BaseException:  # DCP raises on every rank when any rank's write failed
+        if place.rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+    def finish() -> Path:
+        state = {
+            "format": FORMAT,
+            "sharded": True,
+            "world_size": place.world_size,
+            "optimizer_saved": optimizer is not None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "extra": {name: bare(item).state_dict() for name, item in extra.items()},
+            "meta": plain,
+            "rng": [states for states, _ in everyone],
+            "loaders": records,
+            "step": step,
+            "base_seed": base_seed,
+        }
+        atomic_save(state, temporary / STATE_FILE)
+        try:
+            probe(temporary / STATE_FILE)
+        except RefusedCheckpoint as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise TypeError(
+                f"the checkpoint just written would not load, so it was removed and older ones "
+                f"kept: {error}. Some state_dict (scheduler, scaler or extra) holds a value "
+                "weights_only refuses; convert it to plain values."
+            ) from error
+        fsync_directory(temporary)
+        os.rename(temporary, final)
+        fsync_directory(directory)
+        _prune(directory, keep, final)
+        return final
+
+    _, path = on_rank_zero(place, finish, broadcast=True)
+    return Path(path)
+
+
+def load(
+    place: Place,
+    device: torch.device,
+    loaders: Sequence[ShardLoader],
+    base_seed: int | None,
+    directory: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    extra: dict[str, Any] | None,
+    allow_world_size_change: bool,
+) -> tuple[dict[str, Any] | None, list[tuple[Position | None, int]]]:
+    """The meta (None when no checkpoint at all) and each saved loader's position to resume."""
+    extra = _check_extra(extra)
+    _refuse_sharded_extra(extra)
+    _, chosen = on_rank_zero(place, lambda: newest_checkpoint_dir(directory), broadcast=True)
+    if chosen is None:
+        return None, []
+    path = Path(chosen)
+    state = load_file(path / STATE_FILE, device, weights_only=True)
+    changed = check_world_size(state, path, place.world_size, allow_world_size_change)
+    if optimizer is not None and not state["optimizer_saved"]:
+        raise ValueError(
+            f"{str(path)!r} was saved without an optimizer, so its state cannot be restored. "
+            "Leave optimizer= out of this load_checkpoint (a fresh optimizer), or resume from a "
+            "checkpoint saved with one."
+        )
+    shards = _sharded_state(model, optimizer)  # this world size's layout; DCP reshards into it
+    dcp_load(shards, checkpoint_id=path)
+    set_state_dict(
+        model,
+        [] if optimizer is None else [optimizer],
+        model_state_dict=shards["model"],
+        optim_state_dict=shards.get("optimizer", {}),
+    )
+    _restore_replicated(state, path, scheduler, scaler, extra)
+    step = state.get("step")
+    if changed:
+        seed = base_seed if base_seed is not None else state.get("base_seed") or 0
+        seed_everything(derived_seed(seed, place.rank, step or 0, place.world_size))
+    else:
+        set_rng_state(state["rng"][place.rank])
+    positions = [(_position(record), int(record["length"])) for record in state["loaders"]]
+    meta: dict[str, Any] = dict(state["meta"])
+    if step is not None:
+        meta["step"] = step
+    return meta, positions
+
+
+def _restore_replicated(
+    state: dict[str, Any], path: Path, scheduler: Any, scaler: Any, extra: dict[str, Any]
+) -> None:
+    """Scheduler, scaler and ``extra``: rank 0's states, the same on every rank."""
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    saved_extra = state["extra"]
+    for name, item in extra.items():
+        if name not in saved_extra:
+            raise ValueError(
+                f"{str(path)!r} holds no extra state {name!r} (it has "
+                f"{sorted(saved_extra) or 'none'}); it was saved without it. Leave {name!r} out "
+                "of extra= for this resume, or start a new run."
+            )
+        bare(item).load_state_dict(saved_extra[name])
