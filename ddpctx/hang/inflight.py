@@ -1,4 +1,4 @@
-"""What this rank is waiting in: collectives, and DDP's gradient all-reduce, tracked live.
+"""What this rank is waiting in: collectives, DDP's and FSDP2's backward, tracked live.
 
 While ``distributed()`` runs with the hang doctor on, the collectives of the
 ``torch.distributed`` namespace (``all_reduce``, ``barrier``, the object
@@ -9,6 +9,10 @@ through ``torch.distributed``), the user's raw calls, and ``torch.autograd.backw
 after a forward pass of a DDP model that will synchronise its gradients (DDP's
 reducer all-reduces inside ``backward()``; the call site there is inside
 autograd, so reports name the user's ``backward()`` line, never a made-up one).
+FSDP2 models count the same way: after a sharded root's forward pass,
+``backward()`` is a wait in FSDP2's all-gathers/reduce-scatters (on CUDA autograd's
+device thread issues them); its forward's blocking all-gathers are collectives.
+FSDP2's async calls keep raw handles (it tests ``isinstance(work, Work)``).
 On exit the originals are put back.
 
 The wrappers cost one function call and two clock reads per collective. They
@@ -54,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.nn.parallel import DistributedDataParallel
 
 #: The blocking collectives of ``torch.distributed`` that are tracked.
@@ -78,14 +83,20 @@ TRACKED = (
     "all_to_all_single",
     "send",
     "recv",
+    "all_gather_single",  # FSDP2's all-gather and reduce-scatter in torch 2.13
+    "reduce_scatter_single",
 )
+_RAW_ASYNC = frozenset({"all_gather_single", "reduce_scatter_single"})  # handles stay raw
+_LABELS = {
+    "all_gather_single": "FSDP2 all-gather (all_gather_single())",
+    "reduce_scatter_single": "FSDP2 reduce-scatter (reduce_scatter_single())",
+}
 #: What a rank inside DDP's ``backward()`` is said to wait in.
 DDP_BACKWARD = "DDP backward (gradient all-reduce)"
+#: What a rank inside a sharded (FSDP2) model's ``backward()`` is said to wait in.
+FSDP_BACKWARD = "FSDP2 backward (all-gather / reduce-scatter)"
 
-_PACKAGES = (
-    str(Path(__file__).resolve().parent),
-    str(Path(torch.__file__).resolve().parent),
-)
+_PACKAGES = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent))
 
 
 class HangError(RuntimeError):
@@ -147,7 +158,7 @@ class Tracker:
     completed: int = 0
     gpu_pending: tuple[Any, str, float] | None = None  # (CUDA event, op, since)
     failure: HangError | None = None  # set by the watchdog under on_hang="raise"
-    ddp_sync_pending: bool = False
+    backward_sync: str | None = None  # DDP_BACKWARD / FSDP_BACKWARD: the next backward waits
 
     def run(self, op: str, call: Callable[[], Any], *, issued: bool = True) -> Any:
         """``call()``, marked as a wait in ``op`` (the wrappers inline the same steps).
@@ -200,6 +211,7 @@ def install(tracker: Tracker, *, debug: bool, cuda: bool) -> Callable[[], None]:
             replace(dist, name, _collective(tracker, name, getattr(dist, name), debug, cuda, main))
     replace(torch.autograd, "backward", _backward(tracker, torch.autograd.backward, cuda, main))
     replace(DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel))
+    replace(FSDPState, "_root_pre_forward", _fsdp_root_pre_forward(tracker, FSDPState))
 
     def undo() -> None:
         for (owner, name), original in originals.items():
@@ -216,7 +228,8 @@ def _collective(
     cuda: bool,
     main: int | None,
 ) -> Callable[..., Any]:
-    label = f"{name}()"
+    label = _LABELS.get(name, f"{name}()")
+    raw_async = name in _RAW_ASYNC
     monotonic, get_ident = time.monotonic, threading.get_ident
 
     # The steps of Tracker.run, inlined: this runs on every collective of the job.
@@ -225,6 +238,8 @@ def _collective(
         if tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
         if kwargs.get("async_op"):  # the wait happens later, in work.wait()
+            if raw_async:
+                return original(*args, **kwargs)
             tracker.entered += 1
             if debug and kwargs.get("group") in (None, c10d.GroupMember.WORLD):
                 check_lockstep(name, tracker.entered, sys._getframe(1))
@@ -280,12 +295,13 @@ def _backward(
 
     @functools.wraps(original)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if not tracker.ddp_sync_pending or tracker.op is not None or get_ident() != main:
+        label = tracker.backward_sync
+        if label is None or tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
-        tracker.ddp_sync_pending = False
-        result = tracker.run(DDP_BACKWARD, lambda: original(*args, **kwargs))
+        tracker.backward_sync = None
+        result = tracker.run(label, lambda: original(*args, **kwargs))
         if cuda:
-            _note_gpu_work(tracker, DDP_BACKWARD)
+            _note_gpu_work(tracker, label)
         return result
 
     return tracked
@@ -297,10 +313,23 @@ def _ddp_forward(tracker: Tracker, ddp: type[DistributedDataParallel]) -> Callab
     @functools.wraps(original)
     def forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            tracker.ddp_sync_pending = True
+            tracker.backward_sync = DDP_BACKWARD
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _fsdp_root_pre_forward(tracker: Tracker, state: type[FSDPState]) -> Callable[..., Any]:
+    original: Callable[..., Any] = state._root_pre_forward
+
+    @functools.wraps(original)
+    def root_pre_forward(self: FSDPState, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if self._is_root and torch.is_grad_enabled():  # looked up per call: any FSDP2 root
+            tracker.backward_sync = FSDP_BACKWARD
+        return result
+
+    return root_pre_forward
 
 
 def _note_gpu_work(tracker: Tracker, op: str) -> None:
