@@ -196,3 +196,13 @@ def test_the_default_precision_changes_nothing() -> None:
         assert ctx.precision == "32"
         assert not ctx.scaler.is_enabled()
         assert model.forward.__func__ is type(model).forward  # type: ignore[attr-defined]
+
+
+@pytest.mark.distributed(world_size=2, timeout=90, init=False)
+def test_bf16_mixed_blocks_pass_bf16_on_and_only_the_root_returns_float32() -> None:
+    with distributed(seed=0, precision="bf16-mixed") as ctx:
+        model = ctx.shard(tiny_model(), blocks=[nn.Linear])
+        seen = compute_dtypes(model)
+        output = model(torch.ones(4, 6))
+        assert seen == [torch.bfloat16] * 3  # no float32 round trip between blocks
+        assert output.dtype == torch.float32

@@ -10,6 +10,7 @@ sharding, the precision switch, clipping and gradient accumulation live in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -104,10 +105,20 @@ class ModelFaces:
         'DTensor'
         """
         policy = self._precision.fsdp_policy()
-        if policy is not None:
-            fsdp_kwargs.setdefault("mp_policy", policy)
+        block_kwargs: dict[str, Any] = {}
+        if policy is not None and "mp_policy" not in fsdp_kwargs:
+            fsdp_kwargs["mp_policy"] = policy
+            # only the root casts its output to float32: blocks hand bf16 on to the next block
+            block_kwargs["mp_policy"] = dataclasses.replace(policy, output_dtype=None)
         model = self._precision.prepare(model.to(self.device))
-        return shard_model(model, self.mesh, blocks=blocks, min_params=min_params, **fsdp_kwargs)
+        return shard_model(
+            model,
+            self.mesh,
+            blocks=blocks,
+            min_params=min_params,
+            block_kwargs=block_kwargs,
+            **fsdp_kwargs,
+        )
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for the run's mixed precision (a no-op block otherwise).

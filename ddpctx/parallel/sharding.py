@@ -101,9 +101,13 @@ def shard_model(
     *,
     blocks: BlockPolicy | None = None,
     min_params: int = DEFAULT_MIN_PARAMS,
+    block_kwargs: dict[str, Any] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
-    """``fully_shard`` each block of ``model`` (see the module docstring), then the root."""
+    """``fully_shard`` each block of ``model`` (see the module docstring), then the root.
+
+    ``block_kwargs`` override ``fsdp_kwargs`` for the blocks (not the root).
+    """
     if sharding_of(model) is not None:
         raise ValueError(
             f"shard() got a model that is already sharded ({sharding_of(model)}); pass the "
@@ -122,7 +126,7 @@ def shard_model(
         chosen.reverse()  # deepest first: fully_shard of a parent skips its sharded children
     for block in chosen:
         if sharding_of(block) is None:  # a block inside a block already taken is left whole
-            fully_shard(block, mesh=mesh, **fsdp_kwargs)
+            fully_shard(block, mesh=mesh, **{**fsdp_kwargs, **(block_kwargs or {})})
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
     return model
 
