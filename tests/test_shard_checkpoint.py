@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
 
 from ddpctx import DistContext, RankError, current
+from ddpctx.checkpoint import sharded
+from ddpctx.utils.atomic import _HOST
 
 
 def context() -> DistContext:
@@ -239,6 +242,11 @@ def test_a_half_written_sharded_checkpoint_is_never_chosen(
 @pytest.mark.distributed(world_size=2, timeout=90)
 def test_keep_prunes_older_sharded_checkpoints(dist_ctx: DistContext, tmp_path: Path) -> None:
     model = dist_ctx.shard(tiny_model(), blocks=[nn.Linear])
+    if dist_ctx.rank == 0:  # a killed save's leftovers: its writer's pid is gone
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        (tmp_path / f".checkpoint-000001.dcp.{_HOST}.{dead.pid}.0a1b2c3d.tmp").mkdir()
+    dist_ctx.barrier()
     paths = [dist_ctx.save_checkpoint(tmp_path, model=model, keep=2, epoch=e) for e in range(4)]
     dist_ctx.barrier()
     assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in paths[2:]]
@@ -265,3 +273,47 @@ def test_a_sharded_model_refuses_a_single_file_checkpoint_naming_the_fix(
     model = dist_ctx.shard(tiny_model(), blocks=[nn.Linear])
     with pytest.raises(Exception, match=r"only single-file checkpoints .*unsharded model first"):
         dist_ctx.load_checkpoint(tmp_path, model=model)
+
+
+def die_mid_write(folder: str) -> None:
+    """Save once; then rank 1 writes half a shard of the second save and is SIGKILLed."""
+    ctx = context()
+    model = ctx.shard(tiny_model(), blocks=[nn.Linear])
+    ctx.save_checkpoint(folder, model=model, epoch=0)
+    original = sharded.dcp_save
+
+    def dying(state: Any, checkpoint_id: Path) -> Any:
+        if ctx.rank == 1:
+            (checkpoint_id / "__1_0.distcp").write_bytes(b"half a shard")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(state, checkpoint_id=checkpoint_id)
+
+    sharded.dcp_save = dying  # this rank process only
+    ctx.save_checkpoint(folder, model=model, epoch=1)
+
+
+def load_and_save_again(folder: str) -> dict[str, Any]:
+    ctx = context()
+    model = ctx.shard(tiny_model(seed=4), blocks=[nn.Linear])
+    meta = ctx.load_checkpoint(folder, model=model)
+    path = ctx.save_checkpoint(folder, model=model, epoch=2)
+    return {"meta": meta, "path": path.name, "weights": ctx.full_state_dict(model)}
+
+
+def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_the_newest(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(RankError, match=r"rank 1.*SIGKILL"):
+        run_distributed(die_mid_write, str(tmp_path), world_size=2, timeout=60)
+    # no checkpoint-000002 was ever named; its temporary is gone too (rank 0 saw DCP fail and
+    # removed it) or is left for the next save to remove once its writer is provably dead
+    left = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert left == ["checkpoint-000001-epoch0.dcp"]
+    again = run_distributed(load_and_save_again, str(tmp_path), world_size=2)
+    assert again[0]["meta"] == {"epoch": 0}
+    assert_same_state(again[0]["weights"], dict(tiny_model().state_dict()))
+    assert again[0]["path"] == "checkpoint-000002-epoch2.dcp"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # the dead writer's temporary is gone
+        "checkpoint-000001-epoch0.dcp",
+        "checkpoint-000002-epoch2.dcp",
+    ]
