@@ -5,6 +5,7 @@ Real ranks from the plugin's pool, a real gloo group, real directories on disk.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import signal
@@ -317,3 +318,72 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_the_newest(
         "checkpoint-000001-epoch0.dcp",
         "checkpoint-000002-epoch2.dcp",
     ]
+
+
+def save_async_while_training(folder: str) -> dict[str, Any]:
+    """An async save, then more training: the checkpoint holds the weights of the save call."""
+    ctx = context()
+    model = ctx.shard(tiny_model(), blocks=[nn.Linear])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    train_steps(ctx, model, optimizer, 2)
+    # a copy: the optimizer state dict shares its scalar "step" tensors with the optimizer
+    at_save = copy.deepcopy((ctx.full_state_dict(model), full_optimizer_state(model, optimizer)))
+    path = ctx.save_checkpoint(folder, model=model, optimizer=optimizer, async_save=True, epoch=0)
+    visible_before = sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
+    train_steps(ctx, model, optimizer, 2)  # overlaps the write
+    published = ctx.finish_checkpoint()
+    fresh = ctx.shard(tiny_model(seed=8), blocks=[nn.Linear])
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    ctx.load_checkpoint(folder, model=fresh, optimizer=fresh_optimizer)
+    later = ctx.save_checkpoint(folder, model=model, async_save=True, epoch=1)  # left in flight
+    return {
+        "path": path.name,
+        "published": None if published is None else published.name,
+        "visible_before": visible_before,
+        "later": later.name,
+        "at_save": at_save,
+        "loaded": (ctx.full_state_dict(fresh), full_optimizer_state(fresh, fresh_optimizer)),
+        "after": ctx.full_state_dict(model),
+    }
+
+
+def test_an_async_save_holds_the_state_of_the_call_and_is_published_when_finished(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    result = run_distributed(save_async_while_training, str(tmp_path), world_size=2)[0]
+    assert result["path"] == result["published"] == "checkpoint-000001-epoch0.dcp"
+    assert result["visible_before"] == []  # not published before it is finished
+    assert_same_state(result["loaded"], result["at_save"])
+    assert not torch.equal(result["after"]["0.weight"], result["at_save"][0]["0.weight"])
+    # the one left in flight was published when the distributed() block ended
+    assert sorted(p.name for p in tmp_path.iterdir()) == [result["path"], result["later"]]
+
+
+@pytest.mark.distributed(world_size=2, timeout=90)
+def test_async_save_of_an_unsharded_model_is_refused_naming_the_fix(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match=r"async_save=True\) got an unsharded .*ctx\.shard"):
+        dist_ctx.save_checkpoint(tmp_path, model=dist_ctx.wrap(tiny_model()), async_save=True)
+
+
+def die_during_async_write(folder: str) -> None:
+    ctx = context()
+    model = ctx.shard(tiny_model(), blocks=[nn.Linear])
+    ctx.save_checkpoint(folder, model=model, epoch=0)
+    ctx.save_checkpoint(folder, model=model, async_save=True, epoch=1)
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    train_steps(ctx, model, torch.optim.SGD(model.parameters(), lr=0.1), 3)
+
+
+def test_a_rank_dying_during_an_async_write_leaves_the_previous_checkpoint_the_newest(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(RankError, match=r"rank 1.*SIGKILL"):
+        run_distributed(die_during_async_write, str(tmp_path), world_size=2, timeout=60)
+    left = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert left == ["checkpoint-000001-epoch0.dcp"]
+    again = run_distributed(load_and_save_again, str(tmp_path), world_size=2)
+    assert again[0]["meta"] == {"epoch": 0}
+    assert_same_state(again[0]["weights"], dict(tiny_model().state_dict()))

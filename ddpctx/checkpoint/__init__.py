@@ -4,6 +4,7 @@
 - :mod:`~ddpctx.checkpoint.meta`: meta that round-trips through ``weights_only`` loading.
 - :mod:`~ddpctx.checkpoint.resume`: save and load a run (state, RNGs, loader positions).
 - :mod:`~ddpctx.checkpoint.sharded`: the same for sharded (FSDP2) models, through DCP.
+- :mod:`~ddpctx.checkpoint.pending`: ``async_save=True``, a sharded save written while training.
 - :mod:`~ddpctx.checkpoint.faces`: ``ctx.save``/``load``/``save_checkpoint``/``load_checkpoint``.
 
 May import: :mod:`ddpctx.utils`, :mod:`ddpctx.reduce`, :mod:`ddpctx.rankzero`,

@@ -31,11 +31,13 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -182,12 +184,104 @@ def _refuse_sharded_extra(extra: dict[str, Any]) -> None:
             )
 
 
-def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(model, [] if optimizer is None else [optimizer])
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = optimizer_state
     return state
+
+
+@dataclass
+class Prepared:
+    """A sharded save begun: its temporary and final directories and rank 0's small state."""
+
+    directory: Path
+    temporary: Path
+    final: Path
+    keep: int
+    state: dict[str, Any]  # ddpctx.pt: everything but the shards, captured at the save call
+
+
+def prepare(
+    place: Place,
+    gather: Gather,
+    loaders: Sequence[ShardLoader],
+    base_seed: int | None,
+    directory: Path,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    extra: dict[str, Any] | None,
+    step: int | None,
+    keep: int,
+    meta: dict[str, Any],
+) -> Prepared:
+    """Check the arguments, gather RNG states and positions, create the temporary directory."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r} must be a positive int (how many checkpoints to keep).")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be a non-negative int (the global step), or None.")
+    extra = _check_extra(extra)
+    _refuse_sharded_extra(extra)
+    plain = plain_meta(meta)  # refused here, on every rank, before anything is written
+    everyone = gather((rng_state(), [loader.position() for loader in loaders]))
+    state = {
+        "format": FORMAT,
+        "sharded": True,
+        "world_size": place.world_size,
+        "optimizer_saved": optimizer is not None,
+        "scheduler": copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+        "scaler": copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
+        "extra": {name: copy.deepcopy(bare(item).state_dict()) for name, item in extra.items()},
+        "meta": plain,
+        "rng": [states for states, _ in everyone],
+        "loaders": loader_records(loaders, [positions for _, positions in everyone]),
+        "step": step,
+        "base_seed": base_seed,
+    }
+
+    def begin() -> tuple[str, str]:
+        directory.mkdir(parents=True, exist_ok=True)
+        final = next_checkpoint_dir(directory, plain.get("epoch"), step)
+        temporary = temporary_name(final)
+        temporary.mkdir()
+        return str(final), str(temporary)
+
+    _, (final, temporary) = on_rank_zero(place, begin, broadcast=True)
+    return Prepared(directory, Path(temporary), Path(final), keep, state)
+
+
+def finish(place: Place, prepared: Prepared) -> Path:
+    """After every rank's shards are written: rank 0 adds ``ddpctx.pt`` and renames (collective)."""
+    temporary, final = prepared.temporary, prepared.final
+
+    def publish() -> Path:
+        atomic_save(prepared.state, temporary / STATE_FILE)
+        try:
+            probe(temporary / STATE_FILE)
+        except RefusedCheckpoint as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise TypeError(
+                f"the checkpoint just written would not load, so it was removed and older ones "
+                f"kept: {error}. Some state_dict (scheduler, scaler or extra) holds a value "
+                "weights_only refuses; convert it to plain values."
+            ) from error
+        fsync_directory(temporary)
+        os.rename(temporary, final)
+        fsync_directory(prepared.directory)
+        _prune(prepared.directory, prepared.keep, final)
+        return final
+
+    _, path = on_rank_zero(place, publish, broadcast=True)
+    return Path(path)
+
+
+def abandon(place: Place, prepared: Prepared) -> None:
+    """A failed write: rank 0 removes the temporary (older checkpoints stay the newest)."""
+    if place.rank == 0:
+        shutil.rmtree(prepared.temporary, ignore_errors=True)
 
 
 def save(
@@ -207,65 +301,26 @@ def save(
     meta: dict[str, Any],
 ) -> Path:
     """Write a sharded checkpoint (see the module docstring); every rank gets its path."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep={keep!r} must be a positive int (how many checkpoints to keep).")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step={step!r} must be a non-negative int (the global step), or None.")
-    extra = _check_extra(extra)
-    _refuse_sharded_extra(extra)
-    plain = plain_meta(meta)  # refused here, on every rank, before anything is written
-    everyone = gather((rng_state(), [loader.position() for loader in loaders]))
-    records = loader_records(loaders, [positions for _, positions in everyone])
-
-    def begin() -> tuple[str, str]:
-        directory.mkdir(parents=True, exist_ok=True)
-        final = next_checkpoint_dir(directory, plain.get("epoch"), step)
-        temporary = temporary_name(final)
-        temporary.mkdir()
-        return str(final), str(temporary)
-
-    _, (final_name, temporary_name_) = on_rank_zero(place, begin, broadcast=True)
-    final, temporary = Path(final_name), Path(temporary_name_)
+    prepared = prepare(
+        place,
+        gather,
+        loaders,
+        base_seed,
+        directory,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        extra=extra,
+        step=step,
+        keep=keep,
+        meta=meta,
+    )
     try:
-        dcp_save(_sharded_state(model, optimizer), checkpoint_id=temporary)
+        dcp_save(sharded_state(model, optimizer), checkpoint_id=prepared.temporary)
     except BaseException:  # DCP raises on every rank when any rank's write failed
-        if place.rank == 0:
-            shutil.rmtree(temporary, ignore_errors=True)
+        abandon(place, prepared)
         raise
-
-    def finish() -> Path:
-        state = {
-            "format": FORMAT,
-            "sharded": True,
-            "world_size": place.world_size,
-            "optimizer_saved": optimizer is not None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "extra": {name: bare(item).state_dict() for name, item in extra.items()},
-            "meta": plain,
-            "rng": [states for states, _ in everyone],
-            "loaders": records,
-            "step": step,
-            "base_seed": base_seed,
-        }
-        atomic_save(state, temporary / STATE_FILE)
-        try:
-            probe(temporary / STATE_FILE)
-        except RefusedCheckpoint as error:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise TypeError(
-                f"the checkpoint just written would not load, so it was removed and older ones "
-                f"kept: {error}. Some state_dict (scheduler, scaler or extra) holds a value "
-                "weights_only refuses; convert it to plain values."
-            ) from error
-        fsync_directory(temporary)
-        os.rename(temporary, final)
-        fsync_directory(directory)
-        _prune(directory, keep, final)
-        return final
-
-    _, path = on_rank_zero(place, finish, broadcast=True)
-    return Path(path)
+    return finish(place, prepared)
 
 
 def load(
@@ -297,7 +352,7 @@ def load(
             "Leave optimizer= out of this load_checkpoint (a fresh optimizer), or resume from a "
             "checkpoint saved with one."
         )
-    shards = _sharded_state(model, optimizer)  # this world size's layout; DCP reshards into it
+    shards = sharded_state(model, optimizer)  # this world size's layout; DCP reshards into it
     dcp_load(shards, checkpoint_id=path)
     set_state_dict(
         model,

@@ -157,6 +157,7 @@ class DistributedSession:
         self._seed = seed
         self._hang = hang
         self._doctor: Doctor | None = None
+        self._context: DistContext | None = None
         self._backend = backend
         self._timeout = timeout
         self._deterministic = deterministic
@@ -198,6 +199,7 @@ class DistributedSession:
             )
             occupy(context)
             stack.callback(occupy, None)
+            self._context = context
             self._cleanup = stack.pop_all()
         return context
 
@@ -208,6 +210,12 @@ class DistributedSession:
         tb: TracebackType | None,
     ) -> Literal[False]:
         try:
+            context, self._context = self._context, None
+            if context is not None and exc is None:  # an async checkpoint in flight: publish it
+                context.finish_checkpoint()
+            elif context is not None:  # failing: wait for this rank's write, never publish it
+                with contextlib2.suppress(Exception):
+                    context._pending.finish(context._place(), publish=False)
             if exc is not None and should_record(exc):
                 reports = self._doctor.reports if self._doctor is not None else []
                 record_for_torchrun(exc, os.environ, note="\n\n".join(reports))

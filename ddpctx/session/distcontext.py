@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ddpctx.checkpoint.faces import CheckpointFaces
+from ddpctx.checkpoint.pending import Pending
 from ddpctx.data.faces import DataFaces
 from ddpctx.data.loader import ShardLoader
 from ddpctx.data.sampling import Position
@@ -81,6 +82,7 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
         self._sites: dict[str, Site] = {}
         self._loaders: list[ShardLoader] = []
         self._resume_positions: list[tuple[Position | None, int]] = []
+        self._pending = Pending.none()
         self._precision = precision or Precision("32", device.type)
         self._mesh = None
         self._scaler = None
