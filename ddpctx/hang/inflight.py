@@ -9,11 +9,9 @@ through ``torch.distributed``), the user's raw calls, and ``torch.autograd.backw
 after a forward pass of a DDP model that will synchronise its gradients (DDP's
 reducer all-reduces inside ``backward()``; the call site there is inside
 autograd, so reports name the user's ``backward()`` line, never a made-up one).
-FSDP2 models count the same way: after a sharded root's forward pass,
-``backward()`` is a wait in FSDP2's all-gathers/reduce-scatters (on CUDA autograd's
-device thread issues them); its forward's blocking all-gathers are collectives.
-FSDP2's async calls keep raw handles (it tests ``isinstance(work, Work)``).
-On exit the originals are put back.
+FSDP2 counts the same way: after a sharded root's forward, ``backward()`` is a wait in
+its all-gathers/reduce-scatters; its async calls keep raw ``Work`` handles (it checks
+their type). On exit the originals are put back.
 
 The wrappers cost one function call and two clock reads per collective. They
 never look at the stack: where a rank waits is read from its live stack by the
@@ -96,7 +94,10 @@ DDP_BACKWARD = "DDP backward (gradient all-reduce)"
 #: What a rank inside a sharded (FSDP2) model's ``backward()`` is said to wait in.
 FSDP_BACKWARD = "FSDP2 backward (all-gather / reduce-scatter)"
 
-_PACKAGES = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent))
+_PACKAGES = (
+    str(Path(__file__).resolve().parents[1]),  # the ddpctx package
+    str(Path(torch.__file__).resolve().parent),
+)
 
 
 class HangError(RuntimeError):
