@@ -10,6 +10,8 @@ the baseline. Everything is generated from the seed -- no download.
 
     torchrun --standalone --nproc_per_node=2 examples/train_forecaster.py --accumulate 2 \
         --save-every 20                                   # accumulation, step checkpoints
+    torchrun --standalone --nproc_per_node=2 examples/train_forecaster.py --shard \
+        --precision bf16-mixed            # FSDP2: each rank holds half the weights
 
 When ``--out`` already holds a checkpoint the run resumes from it -- mid-epoch
 when the newest checkpoint is a step checkpoint -- which is also what lets
@@ -86,15 +88,32 @@ class Forecaster(nn.Module):
         return out
 
 
+def lockstep(ctx: DistContext, loader: Any) -> Any:
+    """The loader's batches, then empty ones until every rank is done.
+
+    A sharded model's forward is a collective (it gathers the weights), so
+    every rank must run as many as the others, also when its shard of the
+    validation set (``pad=False``) is shorter.
+    """
+    x, y = loader.dataset.tensors
+    empty = (x.new_empty((0, *x.shape[1:])).to(ctx.device), y.new_empty((0, *y.shape[1:])))
+    batches = iter(loader)
+    while True:
+        batch = next(batches, None)
+        if not ctx.any(batch is not None):
+            return
+        yield batch if batch is not None else (empty[0], empty[1].to(ctx.device))
+
+
 @all_reduced(weight="count")
-def evaluate(ctx: DistContext, model: nn.Module, loader: Any) -> dict[str, Any]:
+def evaluate(ctx: DistContext, model: nn.Module, loader: Any, sharded: bool) -> dict[str, Any]:
     """Count-weighted mean squared error of the model and of the "no change" forecast."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     baseline_sum = torch.zeros((), dtype=torch.float64)
     count = 0
     with torch.no_grad():
-        for inputs, targets in loader:  # batches arrive on ctx.device
+        for inputs, targets in lockstep(ctx, loader) if sharded else loader:  # on ctx.device
             loss_sum += ((model(inputs) - targets) ** 2).sum().double().cpu()
             baseline_sum += (targets**2).sum().double().cpu()
             count += len(targets)
@@ -113,9 +132,9 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def weights_sha256(model: nn.Module) -> str:
+def weights_sha256(state: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -135,7 +154,7 @@ def refusal(meta: dict[str, Any], args: argparse.Namespace, checkpoints: Path) -
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    with distributed(seed=args.seed, deterministic=True) as ctx:
+    with distributed(seed=args.seed, deterministic=True, precision=args.precision) as ctx:
         args.out.mkdir(parents=True, exist_ok=True)
         bars = make_series(args.seed, args.series, args.length)
         split = int(0.8 * args.length)
@@ -148,7 +167,9 @@ def run(args: argparse.Namespace) -> int:
             val_set, batch_size=1024, shuffle=False, pad=False, num_workers=args.workers
         )
 
-        model = ctx.wrap(Forecaster(args.window))
+        model = (
+            ctx.shard(Forecaster(args.window)) if args.shard else ctx.wrap(Forecaster(args.window))
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
         steps_per_epoch = math.ceil(len(train) / args.accumulate)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -208,14 +229,14 @@ def run(args: argparse.Namespace) -> int:
                     loss.backward()
                 if not sync:
                     continue
-                nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+                ctx.clip_grad_norm_(model, max_norm=1.0)  # the whole model's norm, also sharded
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 if args.save_every and step % args.save_every == 0:
                     save(epoch, epoch_done=False, baseline=float("nan"))
-            metrics = evaluate(ctx, model, val)
+            metrics = evaluate(ctx, model, val, args.shard)
             val_loss, baseline = float(metrics["loss"]), float(metrics["baseline"])
             log(
                 f"epoch {epoch}: val loss {val_loss:.4f} (no-change baseline {baseline:.4f}, "
@@ -223,16 +244,17 @@ def run(args: argparse.Namespace) -> int:
             )
             if val_loss < best:
                 best = val_loss
-                ctx.save(ctx.unwrap(model).state_dict(), args.out / "best.pt")
+                ctx.save(ctx.full_state_dict(model), args.out / "best.pt")  # whole, from rank 0
             save(epoch, epoch_done=True, baseline=baseline)
 
+        weights = ctx.full_state_dict(model)  # every rank takes part; rank 0 gets them
         summary = {
             "best_val_loss": best,
             "baseline_val_loss": float(metrics["baseline"]),
             "epochs_completed": args.epochs,
             "world_size": ctx.world_size,
             "wall_time_s": round(earlier_time + time.monotonic() - started, 3),
-            "model_sha256": weights_sha256(ctx.unwrap(model)),
+            "model_sha256": weights_sha256(weights) if ctx.rank == 0 else "",
             "resumed_from_epoch": start if meta is not None else None,
         }
         write_summary(args.out / "summary.json", summary)
@@ -255,6 +277,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1200)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
     parser.add_argument("--out", type=Path, default=Path("runs/forecaster"))
+    parser.add_argument("--shard", action="store_true", help="FSDP2 (ctx.shard) instead of DDP")
+    parser.add_argument("--precision", default="32", help="32, bf16-mixed, 16-mixed, bf16-true")
     args = parser.parse_args()
     raise SystemExit(run(args))
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check ddpctx's NCCL/CUDA path on a machine with GPUs: NCCL init, device
-# pinning, a DDP step, and reductions of CUDA tensors, on every visible GPU.
+# pinning, a DDP step, reductions of CUDA tensors, and FSDP2 + bf16, on every visible GPU.
 # Usage: bash scripts/gpu_check.sh   (from a checkout, with ddpctx importable)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,10 @@ if [ "$gpus" -lt 1 ]; then echo "no GPU visible" >&2; exit 1; fi
 # (two ranks on one GPU are not allowed by NCCL, so a 1-GPU box runs one rank).
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
   python -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/gpu_check.py
+
+# Sharded training on NCCL: ctx.shard (FSDP2) + precision="bf16-mixed", clipping, a DCP checkpoint.
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
+  python -m torch.distributed.run --standalone --nproc_per_node="$gpus" scripts/gpu_check.py --shard
 
 # The hang doctor on NCCL: rank 1 sleeps while rank 0's all-reduce waits on the GPU. The
 # job must fail (on_hang="raise") with a report that names rank 1, well before NCCL's timeout.

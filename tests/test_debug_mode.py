@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import ddpctx
 from ddpctx import HangError, RankError, distributed
-from ddpctx.hang.inflight import ranks_text
+from ddpctx.hang.peers import ranks_text
 
 HERE = Path(__file__)
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather_object", "broadcast_object_list")

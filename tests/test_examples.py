@@ -33,3 +33,13 @@ def test_gpu_check_script_runs_on_cpu_with_allow_cpu() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "FAIL" not in result.stdout
     assert "gpu_check passed on 2 rank(s)" in result.stdout
+
+
+def test_gpu_check_shard_case_runs_on_cpu_with_allow_cpu() -> None:
+    result = run_torchrun(
+        REPO / "scripts" / "gpu_check.py", "--shard", "--allow-cpu", nproc=2, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
+    assert "sharded checkpoint reloads identical weights" in result.stdout
+    assert "gpu_check --shard passed on 2 rank(s)" in result.stdout

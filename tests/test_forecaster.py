@@ -136,3 +136,36 @@ def test_the_demo_runs_as_one_plain_python_process(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert summary(tmp_path)["world_size"] == 1
     assert "1 rank(s)" in result.stdout
+
+
+def test_the_sharded_demo_learns_and_a_rank_killed_mid_epoch_resumes_to_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    whole = tmp_path / "whole"
+    result = run_torchrun(SCRIPT, *SMALL, "--shard", "--out", str(whole), timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((whole / "checkpoints").glob("checkpoint-*-epoch2-step*.dcp"))
+    assert summary(whole)["best_val_loss"] < summary(whole)["baseline_val_loss"]
+    killed = tmp_path / "killed"
+    job = start_torchrun(
+        SCRIPT,
+        *SMALL,
+        "--shard",
+        "--out",
+        str(killed),
+        launcher_args=("--standalone", "--max-restarts=1"),
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not list((killed / "checkpoints").glob("checkpoint-*-epoch1-step*.dcp")):
+            assert time.monotonic() < deadline, "no sharded checkpoint of epoch 1 appeared"
+            time.sleep(0.01)
+        victims = child_pids(job.pid)
+        assert victims, "no worker processes found under torchrun"
+        os.kill(max(victims), signal.SIGKILL)  # right after its first mid-epoch checkpoint
+        stdout, stderr = job.communicate(timeout=150)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert re.search(r"resuming from epoch 1, step \d+ \(mid-epoch\)", stdout), stdout
+    assert summary(killed)["model_sha256"] == summary(whole)["model_sha256"]

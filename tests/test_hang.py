@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import ddpctx
 from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
-from ddpctx.hang.inflight import describe
+from ddpctx.hang.peers import describe
 from ddpctx.hang.report import RankState, format_report
 from ddpctx.hang.watchdog import resolve_hang_settings
 from tests.helpers import REPO, run_torchrun
@@ -450,7 +450,7 @@ def test_a_report_printed_earlier_is_appended_to_the_error_torchrun_shows(tmp_pa
 
 def _labels_of_a_subgroup() -> tuple[str, tuple[int, ...] | None]:
     pair = dist.new_group([0, 2])  # every rank creates every group
-    return describe("all_reduce", pair)
+    return describe("all_reduce()", pair)
 
 
 def test_a_subgroup_collective_is_labelled_with_its_members(run_distributed: Any) -> None:

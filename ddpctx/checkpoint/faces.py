@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpctx.checkpoint import resume
+from ddpctx.checkpoint import resume, sharded
 from ddpctx.checkpoint.files import load_file
+from ddpctx.checkpoint.pending import Pending
 from ddpctx.data.book import LoaderBook
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
@@ -32,6 +33,7 @@ class CheckpointFaces:
     _place: Callable[[], Place]
     _loader_book: LoaderBook
     _newest_checkpoints: dict[Path, str]
+    _pending: Pending
 
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """Rank 0 writes ``obj`` atomically (temporary file, fsync, rename); every rank waits.
@@ -65,6 +67,7 @@ class CheckpointFaces:
         rank_state: dict[str, Any] | None = None,
         step: int | None = None,
         keep: int = 2,
+        async_save: bool = False,
         **meta: Any,
     ) -> Path:
         """Save the training state, every rank's random state and every loader's position.
@@ -82,9 +85,30 @@ class CheckpointFaces:
         NumPy values, paths and namespaces are converted, anything that would
         not load is refused here (see :mod:`ddpctx.checkpoint.meta`). Call it every
         K steps with ``step=`` to resume mid-epoch. Another job writing
-        checkpoints into the same directory is detected and refused.
+        checkpoints into the same directory is detected and refused. A sharded
+        model (``ctx.shard``, or FSDP2 applied by hand) is saved as a directory
+        in which every rank writes its shards (:mod:`ddpctx.checkpoint.sharded`),
+        with the same promises;
+        ``async_save=True`` writes it while training goes on and publishes it
+        at the next save or load, :meth:`finish_checkpoint`, or the end of
+        the block (:mod:`ddpctx.checkpoint.pending`).
         """
-        return resume.save(
+        self.finish_checkpoint()  # at most one save in flight
+        if async_save is not False:
+            return self._save_async(
+                Path(directory),
+                model,
+                optimizer,
+                scheduler,
+                scaler,
+                extra,
+                rank_state,
+                step,
+                keep,
+                meta,
+            )
+        writer = sharded.save if sharded.is_sharded(model) else resume.save
+        return writer(
             self._place(),
             self.all_gather,
             self._loader_book,
@@ -127,9 +151,14 @@ class CheckpointFaces:
         rank's saved states. A checkpoint from another world size is an error
         unless ``allow_world_size_change=True`` (see :mod:`ddpctx.checkpoint.resume`);
         then a step-counted scheduler whose steps per epoch change is named
-        (see :mod:`ddpctx.checkpoint.schedules`).
+        (see :mod:`ddpctx.checkpoint.schedules`). A sharded checkpoint loads at
+        any world size into a sharded or an unsharded model
+        (:mod:`ddpctx.checkpoint.sharded`).
         """
-        return resume.load(
+        self.finish_checkpoint()
+        sharded_read = sharded.reads_sharded(self._place(), Path(directory), model)
+        reader = sharded.load if sharded_read else resume.load
+        return reader(
             self._place(),
             self.device,
             self._loader_book,
@@ -144,3 +173,62 @@ class CheckpointFaces:
             rank_state=rank_state,
             newest_seen=self._newest_checkpoints,
         )
+
+    def finish_checkpoint(self) -> Path | None:
+        """Wait for an ``async_save=True`` checkpoint and publish it; its path, or None.
+
+        Every rank must call it (``save_checkpoint``, ``load_checkpoint`` and a
+        normal end of the ``distributed()`` block call it for you).
+
+        >>> from ddpctx import distributed
+        >>> with distributed() as ctx:
+        ...     ctx.finish_checkpoint() is None
+        True
+        """
+        return self._pending.finish(self._place())
+
+    def _save_async(
+        self,
+        directory: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        scaler: Any,
+        extra: dict[str, Any] | None,
+        rank_state: dict[str, Any] | None,
+        step: int | None,
+        keep: int,
+        meta: dict[str, Any],
+    ) -> Path:
+        if async_save_refusal := _async_refusal(model):
+            raise ValueError(async_save_refusal)
+        prepared = sharded.prepare(
+            self._place(),
+            self.all_gather,
+            self._loader_book,
+            self.base_seed,
+            directory,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            extra=extra,
+            step=step,
+            keep=keep,
+            meta=meta,
+            rank_state=rank_state,
+        )
+        try:
+            return self._pending.start(prepared, model, optimizer)
+        except BaseException:
+            sharded.abandon(self._place(), prepared)
+            raise
+
+
+def _async_refusal(model: nn.Module) -> str | None:
+    if sharded.is_sharded(model):
+        return None
+    return (
+        f"save_checkpoint(async_save=True) got an unsharded {type(model).__name__}: async saves "
+        "are for sharded models (ctx.shard), whose every rank writes its shards. Drop "
+        "async_save=True (a DDP checkpoint is one file written by rank 0), or shard the model."
+    )

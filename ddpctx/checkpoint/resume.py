@@ -49,6 +49,7 @@ from ddpctx.checkpoint.files import (
 from ddpctx.checkpoint.meta import plain_meta
 from ddpctx.checkpoint.schedules import check_scheduler
 from ddpctx.data.book import LoaderBook, saved_loaders
+from ddpctx.parallel.sharding import refuse_unsaveable
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
@@ -104,6 +105,9 @@ def save(
         raise ValueError(f"step={step!r} must be a non-negative int (the global step), or None.")
     extra = _check_extra(extra)
     rank_state = perrank.check_rank_state(rank_state)
+    for item in (model, *extra.values()):  # one rank's shard must never pass for the model
+        if isinstance(item, nn.Module):
+            refuse_unsaveable(item, "save_checkpoint")
     plain = plain_meta(meta)  # refused here, on every rank, before anything is written
     everyone = gather((rng_state(), loaders.snapshot(), perrank.capture(rank_state)))
     rng_states = [states for states, _, _ in everyone]
@@ -182,6 +186,9 @@ def load(
     """
     extra = _check_extra(extra)
     rank_state = perrank.check_rank_state(rank_state)
+    for item in (model, *extra.values()):
+        if isinstance(item, nn.Module):
+            refuse_unsaveable(item, "load_checkpoint")
     seen = newest_seen if newest_seen is not None else {}
     _, chosen = on_rank_zero(place, lambda: _choose(directory, seen), broadcast=True)
     if chosen is None:

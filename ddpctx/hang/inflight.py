@@ -1,4 +1,4 @@
-"""What this rank is waiting in: collectives, and DDP's gradient all-reduce, tracked live.
+"""What this rank is waiting in: collectives, DDP's and FSDP2's backward, tracked live.
 
 While ``distributed()`` runs with the hang doctor on, the collectives of the
 ``torch.distributed`` namespace (``all_reduce``, ``barrier``, the object
@@ -9,7 +9,9 @@ through ``torch.distributed``), the user's raw calls, and ``torch.autograd.backw
 after a forward pass of a DDP model that will synchronise its gradients (DDP's
 reducer all-reduces inside ``backward()``; the call site there is inside
 autograd, so reports name the user's ``backward()`` line, never a made-up one).
-On exit the originals are put back.
+FSDP2 counts the same way: after a sharded root's forward, ``backward()`` is a wait in
+its all-gathers/reduce-scatters; its async calls keep raw ``Work`` handles (it checks
+their type). On exit the originals are put back.
 
 The wrappers cost one function call and two clock reads per collective. They
 never look at the stack: where a rank waits is read from its live stack by the
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
 import threading
 import time
@@ -52,7 +53,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.nn.parallel import DistributedDataParallel
+
+from ddpctx.hang.peers import describe, describe_transfer, group_position
 
 #: The blocking collectives of ``torch.distributed`` that are tracked.
 TRACKED = (
@@ -76,9 +80,18 @@ TRACKED = (
     "all_to_all_single",
     "send",
     "recv",
+    "all_gather_single",  # FSDP2's all-gather and reduce-scatter in torch 2.13
+    "reduce_scatter_single",
 )
+_RAW_ASYNC = frozenset({"all_gather_single", "reduce_scatter_single"})  # handles stay raw
+_LABELS = {
+    "all_gather_single": "FSDP2 all-gather (all_gather_single())",
+    "reduce_scatter_single": "FSDP2 reduce-scatter (reduce_scatter_single())",
+}
 #: What a rank inside DDP's ``backward()`` is said to wait in.
 DDP_BACKWARD = "DDP backward (gradient all-reduce)"
+#: What a rank inside a sharded (FSDP2) model's ``backward()`` is said to wait in.
+FSDP_BACKWARD = "FSDP2 backward (all-gather / reduce-scatter)"
 
 _PACKAGES = (
     str(Path(__file__).resolve().parents[1]),  # the ddpctx package
@@ -146,7 +159,7 @@ class Tracker:
     completed: int = 0
     gpu_pending: tuple[Any, str, float] | None = None  # (CUDA event, op, since)
     failure: HangError | None = None  # set by the watchdog under on_hang="raise"
-    ddp_sync_pending: bool = False
+    backward_sync: str | None = None  # DDP_BACKWARD / FSDP_BACKWARD: the next backward waits
 
     def run(
         self,
@@ -217,6 +230,7 @@ def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Cal
             replace(dist, name, _collective(tracker, name, original, checked, cuda, main))
     replace(torch.autograd, "backward", _backward(tracker, torch.autograd.backward, cuda, main))
     replace(DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel))
+    replace(FSDPState, "_root_pre_forward", _fsdp_root_pre_forward(tracker, FSDPState))
 
     def undo() -> None:
         for (owner, name), original in originals.items():
@@ -233,9 +247,10 @@ def _collective(
     cuda: bool,
     main: int | None,
 ) -> Callable[..., Any]:
-    label = f"{name}()"
+    label = _LABELS.get(name, f"{name}()")
+    raw_async = name in _RAW_ASYNC
     monotonic, get_ident = time.monotonic, threading.get_ident
-    group_at = _group_position(original)
+    group_at = group_position(original)
 
     def group_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if "group" in kwargs:
@@ -248,10 +263,12 @@ def _collective(
         if tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
         group = group_of(args, kwargs)
-        what, peers = (label, None) if group is None else describe(name, group)
+        what, peers = (label, None) if group is None else describe(label, group)
         if name in POINT_TO_POINT:
             what, peers = describe_transfer(name, group, args, kwargs)
         if kwargs.get("async_op"):  # the wait happens later, in work.wait()
+            if raw_async:
+                return original(*args, **kwargs)
             tracker.entered += 1
             if check is not None:
                 check(name, group, sys._getframe(1))
@@ -275,46 +292,6 @@ def _collective(
         return result
 
     return tracked
-
-
-def describe(name: str, group: Any) -> tuple[str, tuple[int, ...] | None]:
-    """``("all_reduce() on ranks 0, 2", (0, 2))`` for a subgroup; ``("barrier()", None)``."""
-    if group is None or group is dist.GroupMember.WORLD:
-        return f"{name}()", None
-    try:
-        members = tuple(dist.get_process_group_ranks(group))
-    except Exception:  # not a group torch knows: torch's own call will say so
-        return f"{name}()", None
-    if len(members) == dist.get_world_size():
-        return f"{name}()", None
-    return f"{name}() on {ranks_text(list(members))}", members
-
-
-def describe_transfer(
-    name: str, group: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[str, tuple[int, ...] | None]:
-    """``("recv from rank 0", (0, me))``: a point-to-point wait names its peer (global rank).
-
-    A ``recv`` without ``src`` waits for any rank: ``("recv from any rank", None)``.
-    """
-    key, direction = ("dst", "to") if name == "send" else ("src", "from")
-    peer = kwargs.get(key, args[1] if len(args) > 1 else None)
-    in_group = kwargs.get(f"group_{key}")
-    with contextlib.suppress(Exception):
-        if peer is None and in_group is not None and group is not None:
-            peer = dist.get_global_rank(group, in_group)
-        if isinstance(peer, int):
-            return f"{name} {direction} rank {peer}", (peer, dist.get_rank())
-    return f"{name} {direction} any rank", None
-
-
-def _group_position(function: Callable[..., Any]) -> int | None:
-    """The index of ``function``'s ``group`` parameter when passed by position, else None."""
-    try:
-        names = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names.index("group") if "group" in names else None
 
 
 class TrackedWork:
@@ -360,12 +337,13 @@ def _backward(
 
     @functools.wraps(original)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if not tracker.ddp_sync_pending or tracker.op is not None or get_ident() != main:
+        label = tracker.backward_sync
+        if label is None or tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
-        tracker.ddp_sync_pending = False
-        result = tracker.run(DDP_BACKWARD, lambda: original(*args, **kwargs))
+        tracker.backward_sync = None
+        result = tracker.run(label, lambda: original(*args, **kwargs))
         if cuda:
-            _note_gpu_work(tracker, DDP_BACKWARD)
+            _note_gpu_work(tracker, label)
         return result
 
     return tracked
@@ -377,10 +355,23 @@ def _ddp_forward(tracker: Tracker, ddp: type[DistributedDataParallel]) -> Callab
     @functools.wraps(original)
     def forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            tracker.ddp_sync_pending = True
+            tracker.backward_sync = DDP_BACKWARD
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _fsdp_root_pre_forward(tracker: Tracker, state: type[FSDPState]) -> Callable[..., Any]:
+    original: Callable[..., Any] = state._root_pre_forward
+
+    @functools.wraps(original)
+    def root_pre_forward(self: FSDPState, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if self._is_root and torch.is_grad_enabled():  # looked up per call: any FSDP2 root
+            tracker.backward_sync = FSDP_BACKWARD
+        return result
+
+    return root_pre_forward
 
 
 def _note_gpu_work(tracker: Tracker, op: str) -> None:
@@ -391,8 +382,3 @@ def _note_gpu_work(tracker: Tracker, op: str) -> None:
     event = cuda.Event()
     event.record()
     tracker.gpu_pending = (event, op, time.monotonic())
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """``"rank 1"`` or ``"ranks 0, 2"``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ddpctx.hang.inflight import HangError, ranks_text, user_site
+from ddpctx.hang.inflight import HangError, user_site
+from ddpctx.hang.peers import ranks_text
 
 
 class Lockstep:

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
-from ddpctx.hang.inflight import is_library_file, ranks_text, short_path, user_site
+from ddpctx.hang.inflight import is_library_file, short_path, user_site
+from ddpctx.hang.peers import ranks_text
 
 PREFIX = "ddpctx/hang/"
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ddpctx.hang.watchdog import Doctor, HangSettings, resolve_hang_settings
+from ddpctx.parallel.precision import Precision, PrecisionName, resolve_precision
 from ddpctx.session.distcontext import DistContext
 from ddpctx.session.group import destroy_group_bounded, init_group
 from ddpctx.session.signals import exit_on_sigterm
@@ -82,6 +83,7 @@ def distributed(
     hang_timeout: float | None = None,
     on_hang: Literal["report", "raise"] = "report",
     debug: bool = False,
+    precision: PrecisionName = "32",
 ) -> DistributedSession:
     """Set up (and always tear down) distributed training for the block.
 
@@ -105,6 +107,9 @@ def distributed(
             are not checked. torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is
             not turned on (with gloo it makes DDP crash). Also
             ``DDPCTX_DEBUG=collectives``.
+        precision: the run's numeric precision, applied by ``ctx.wrap`` and
+            ``ctx.shard``: ``"32"`` (default), ``"bf16-mixed"``, ``"16-mixed"``
+            (CUDA only) or ``"bf16-true"`` (:mod:`ddpctx.parallel.precision`).
 
     The same script runs under ``torchrun``, under ``srun`` and as a plain
     ``python script.py`` (world size 1).
@@ -115,7 +120,7 @@ def distributed(
         42
     """
     return DistributedSession(
-        seed, backend, timeout, deterministic, hang=(hang_timeout, on_hang, debug)
+        seed, backend, timeout, deterministic, (hang_timeout, on_hang, debug), precision
     )
 
 
@@ -128,6 +133,7 @@ class _Plan:
     seed: int | None
     adopted: bool
     hang: HangSettings
+    precision: Precision
 
 
 class DistributedSession:
@@ -147,14 +153,17 @@ class DistributedSession:
         timeout: float | timedelta | None,
         deterministic: bool,
         hang: tuple[object, object, object] = (None, "report", False),
+        precision: object = "32",
     ) -> None:
         self._seed = seed
         self._hang = hang
         self._doctor: Doctor | None = None
+        self._context: DistContext | None = None
         self._backend = backend
         self._timeout = timeout
         self._deterministic = deterministic
         self._cleanup = contextlib2.ExitStack()
+        self._precision = precision
 
     def __enter__(self) -> DistContext:
         active = current()
@@ -164,7 +173,9 @@ class DistributedSession:
                 "would form a second process group. Use the context you have, or "
                 "ddpctx.current() to reach it from deeper code."
             )
-        plan = _make_plan(self._seed, self._backend, self._timeout, os.environ, self._hang)
+        plan = _make_plan(
+            self._seed, self._backend, self._timeout, os.environ, self._hang, self._precision
+        )
         with contextlib2.ExitStack() as stack:  # unwinds everything if a step fails
             if plan.device.type == "cuda":
                 torch.cuda.set_device(plan.device)
@@ -183,9 +194,12 @@ class DistributedSession:
                 seed_everything(plan.seed + plan.info.rank)
             if self._deterministic:
                 stack.callback(enable_deterministic())
-            context = DistContext(plan.info, plan.backend, plan.device, plan.seed, self.close)
+            context = DistContext(
+                plan.info, plan.backend, plan.device, plan.seed, self.close, plan.precision
+            )
             occupy(context)
             stack.callback(occupy, None)
+            self._context = context
             self._cleanup = stack.pop_all()
         return context
 
@@ -196,6 +210,12 @@ class DistributedSession:
         tb: TracebackType | None,
     ) -> Literal[False]:
         try:
+            context, self._context = self._context, None
+            if context is not None and exc is None:  # an async checkpoint in flight: publish it
+                context.finish_checkpoint()
+            elif context is not None:  # failing: wait for this rank's write, never publish it
+                with contextlib2.suppress(Exception):
+                    context._pending.finish(context._place(), publish=False)
             if exc is not None and should_record(exc):
                 reports = self._doctor.reports if self._doctor is not None else []
                 record_for_torchrun(exc, os.environ, note="\n\n".join(reports))
@@ -214,6 +234,7 @@ def _make_plan(
     timeout: float | timedelta | None,
     environ: Mapping[str, str],
     hang: tuple[object, object, object] = (None, "report", False),
+    precision: object = "32",
 ) -> _Plan:
     """Every decision and every check, with no side effect."""
     resolved_timeout = resolve_timeout(timeout, environ)
@@ -239,6 +260,7 @@ def _make_plan(
         seed=validate_seed(seed, info.world_size),
         adopted=dist.is_initialized(),
         hang=hang_settings,
+        precision=resolve_precision(precision, device),
     )
 
 

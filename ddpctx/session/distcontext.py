@@ -7,8 +7,9 @@ Each face lives beside the subsystem it fronts and is a thin layer over it:
 - :class:`~ddpctx.rankzero.faces.RankZeroFaces`: ``rank_zero_first``,
   ``rank_zero``, ``atomic_dir``, ``progress``, ``print``, ``is_main``.
 - :class:`~ddpctx.data.faces.DataFaces`: ``dataloader``, ``epochs``.
-- :class:`~ddpctx.parallel.faces.ModelFaces`: ``wrap``, ``unwrap``, ``no_sync``,
-  ``accumulate``.
+- :class:`~ddpctx.parallel.faces.ModelFaces`: ``wrap``, ``shard``, ``unwrap``, ``no_sync``,
+  ``accumulate``, ``precision``, ``autocast``, ``scaler``, ``clip_grad_norm_``,
+  ``full_state_dict``.
 - :class:`~ddpctx.checkpoint.faces.CheckpointFaces`: ``save``, ``load``,
   ``save_checkpoint``, ``load_checkpoint``.
 
@@ -24,9 +25,11 @@ from pathlib import Path
 import torch
 
 from ddpctx.checkpoint.faces import CheckpointFaces
+from ddpctx.checkpoint.pending import Pending
 from ddpctx.data.book import LoaderBook
 from ddpctx.data.faces import DataFaces
 from ddpctx.parallel.faces import ModelFaces
+from ddpctx.parallel.precision import Precision
 from ddpctx.rankzero.faces import RankZeroFaces
 from ddpctx.reduce.collectives import Site
 from ddpctx.reduce.faces import CollectiveFaces
@@ -68,6 +71,7 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
         device: torch.device,
         seed: int | None,
         close: Callable[[], None],
+        precision: Precision | None = None,
     ) -> None:
         self.rank: int = info.rank
         self.world_size: int = info.world_size
@@ -84,6 +88,10 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
         self._sites: dict[str, Site] = {}
         self._loader_book = LoaderBook()
         self._newest_checkpoints: dict[Path, str] = {}
+        self._pending = Pending.none()
+        self._precision = precision or Precision("32", device.type)
+        self._mesh = None
+        self._scaler = None
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,104 @@
+"""Where sharded checkpoints live: their directory names, which one is newest, pruning.
+
+The on-disk layout of :mod:`ddpctx.checkpoint.sharded`, as
+:mod:`ddpctx.checkpoint.files` is that of single-file checkpoints: a
+sharded checkpoint is a directory ``checkpoint-NNNNNN[-epochE][-stepS].dcp/``
+numbered in the same sequence as the files, complete when DCP's
+``.metadata`` and ddpctx's ``ddpctx.pt`` are both there.
+
+Example:
+    >>> checkpoint_dirs(Path("/nonexistent"))
+    []
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+from ddpctx.checkpoint.files import RefusedCheckpoint, checkpoint_paths, probe
+from ddpctx.utils.atomic import is_abandoned
+
+STATE_FILE = "ddpctx.pt"
+_NAME = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.dcp$")
+ANY_NAME = re.compile(r"^checkpoint-(\d{6,})")
+
+
+def checkpoint_dirs(directory: Path) -> list[Path]:
+    """The sharded checkpoint directories in ``directory``, newest (highest number) first."""
+    if not directory.is_dir():
+        return []
+    numbered = [
+        (int(match.group(1)), path.name, path)
+        for path in directory.iterdir()
+        if (match := _NAME.match(path.name)) and path.is_dir()
+    ]
+    return [path for _, _, path in sorted(numbered, reverse=True)]
+
+
+def next_checkpoint_dir(directory: Path, epoch: object = None, step: int | None = None) -> Path:
+    """One past the highest number of any checkpoint here (file or directory), labelled.
+
+    >>> import tempfile
+    >>> next_checkpoint_dir(Path(tempfile.mkdtemp()), epoch=2, step=40).name
+    'checkpoint-000001-epoch2-step40.dcp'
+    """
+    numbers = [
+        int(match.group(1))
+        for path in [*checkpoint_paths(directory), *checkpoint_dirs(directory)]
+        if (match := ANY_NAME.match(path.name))
+    ]
+    label = ""
+    if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+        label += f"-epoch{epoch}"
+    if step is not None:
+        label += f"-step{step}"
+    return directory / f"checkpoint-{max(numbers, default=0) + 1:06d}{label}.dcp"
+
+
+def complete(path: Path) -> bool:
+    """Whether the directory holds a whole checkpoint; warns (and says why) when it does not."""
+    if (path / ".metadata").is_file() and probe(path / STATE_FILE) is not None:
+        return True
+    if not (path / STATE_FILE).exists() or not (path / ".metadata").exists():
+        warnings.warn(
+            f"skipping {str(path)!r}: it lacks {STATE_FILE} or DCP's .metadata (incomplete, or "
+            "altered after it was written); trying an older checkpoint.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def newest_checkpoint_dir(directory: Path) -> Path | None:
+    """The newest complete sharded checkpoint; None when there is no checkpoint at all."""
+    found = checkpoint_dirs(directory)
+    for path in found:
+        if complete(path):
+            return path
+    if found:
+        raise RuntimeError(
+            f"{str(directory)!r} holds {len(found)} sharded checkpoint(s) "
+            f"({', '.join(p.name for p in found[:5])}) and none of them is complete. Refusing "
+            "to start over silently: restore a good checkpoint, or move the directory away "
+            "to start a new run."
+        )
+    files = checkpoint_paths(directory)
+    if files:
+        raise RefusedCheckpoint(
+            f"{str(directory)!r} holds only single-file checkpoints ({files[0].name}, ...), "
+            "written from an unsharded model, and this model is sharded. Load it into the "
+            "unsharded model first (then ctx.shard it and save again), or use another directory."
+        )
+    return None
+
+
+def prune_dirs(directory: Path, keep: int, newest_good: Path) -> None:
+    for old in checkpoint_dirs(directory)[keep:]:
+        if old != newest_good:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob(".checkpoint-*.dcp.*.tmp"):
+        if is_abandoned(stale):  # a killed save's leftovers; never a live writer's
+            shutil.rmtree(stale, ignore_errors=True)

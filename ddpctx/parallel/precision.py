@@ -1,0 +1,135 @@
+"""The run's numeric precision: one ``precision=`` switch, applied where the model is made parallel.
+
+=================  ==========================================  ==================================
+``precision``      ``ctx.wrap`` (DDP)                           ``ctx.shard`` (FSDP2)
+=================  ==========================================  ==================================
+``"32"``           float32, as without the switch               float32
+``"bf16-mixed"``   forward under ``torch.autocast(bfloat16)``   ``MixedPrecisionPolicy``: bf16
+                   float32 weights, outputs cast to float32     compute, float32 gradient reduce
+``"16-mixed"``     autocast(float16) + ``ctx.scaler``           the same, float16, + ``ctx.scaler``
+                   (a ``GradScaler``; CUDA only)                (CUDA only)
+``"bf16-true"``    weights and compute in bfloat16              weights and compute in bfloat16
+=================  ==========================================  ==================================
+
+Outputs of a mixed-precision forward are float32, so a loss computed from
+them is float32 in every mode but ``"bf16-true"``. ``ctx.scaler`` is a
+``GradScaler`` that is enabled only under ``"16-mixed"`` (a pass-through
+otherwise), so ``ctx.scaler.scale(loss).backward(); ctx.scaler.step(opt);
+ctx.scaler.update()`` is correct code in every mode. float16 without CUDA is
+refused with the fix: CPUs have no float16 autocast worth training with;
+bfloat16 autocast works on CPU.
+
+This module knows torch and nothing of the context.
+
+Example:
+    >>> policy = resolve_precision("bf16-mixed", torch.device("cpu"))
+    >>> policy.name, policy.compute_dtype
+    ('bf16-mixed', torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_map
+
+PrecisionName = Literal["32", "bf16-mixed", "16-mixed", "bf16-true"]
+PRECISIONS: tuple[str, ...] = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One of :data:`PRECISIONS` on one device type; how to apply it."""
+
+    name: str
+    device_type: str
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forward computes in."""
+        if self.name.startswith("bf16"):
+            return torch.bfloat16
+        return torch.float16 if self.name == "16-mixed" else torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        return self.name.endswith("-mixed")
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` for a mixed precision, else a no-op block.
+
+        >>> with resolve_precision("32", torch.device("cpu")).autocast():
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.float32
+        """
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.compute_dtype)
+
+    def scaler(self) -> torch.amp.GradScaler:
+        """A ``GradScaler``, enabled only for ``"16-mixed"``."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.name == "16-mixed")
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's policy: compute in bf16/fp16, reduce gradients and return outputs in float32."""
+        if not self.mixed:
+            return None
+        return MixedPrecisionPolicy(
+            param_dtype=self.compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Cast the weights for ``"bf16-true"``; leave them float32 otherwise."""
+        return model.to(torch.bfloat16) if self.name == "bf16-true" else model
+
+    def wrap_forward(self, model: nn.Module) -> nn.Module:
+        """Run ``model``'s forward under autocast with float32 outputs (mixed precisions only)."""
+        if self.mixed:
+            model.forward = _autocast_forward(model, self)
+        return model
+
+
+def _to_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return value
+
+
+def _autocast_forward(model: nn.Module, precision: Precision) -> Callable[..., Any]:
+    # The class's forward, looked up per call: a forward patched on the class later still counts.
+    @functools.wraps(type(model).forward)
+    def mixed_forward(*args: Any, **kwargs: Any) -> Any:
+        with precision.autocast():
+            output = type(model).forward(model, *args, **kwargs)
+        return tree_map(_to_float32, output)
+
+    return mixed_forward
+
+
+def resolve_precision(value: object, device: torch.device) -> Precision:
+    """Check ``precision=`` against the device; every refusal names the fix.
+
+    >>> resolve_precision("16-mixed", torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    ValueError: precision='16-mixed' needs CUDA (float16 ...
+    """
+    name = "32" if value in (32, "32-true") else value
+    if not isinstance(name, str) or name not in PRECISIONS:
+        raise ValueError(
+            f"precision={value!r} is not one of {', '.join(map(repr, PRECISIONS))}. Use '32' "
+            "(the default), 'bf16-mixed' (CPU and recent GPUs), '16-mixed' (CUDA) or 'bf16-true'."
+        )
+    if name == "16-mixed" and device.type != "cuda":
+        raise ValueError(
+            f"precision={value!r} needs CUDA (float16 autocast and GradScaler), and this run's "
+            f"device is {str(device)!r}. Use precision='bf16-mixed' on CPU, or run on GPUs."
+        )
+    return Precision(name, device.type)
