@@ -387,3 +387,25 @@ def test_a_rank_dying_during_an_async_write_leaves_the_previous_checkpoint_the_n
     again = run_distributed(load_and_save_again, str(tmp_path), world_size=2)
     assert again[0]["meta"] == {"epoch": 0}
     assert_same_state(again[0]["weights"], dict(tiny_model().state_dict()))
+
+
+def _rank_state_round_trip(folder: str) -> list[int]:
+    ctx = context()
+    model = ctx.shard(tiny_model(), blocks=[nn.Linear])
+    mine = random.Random(1000 + ctx.rank)  # a per-rank generator, e.g. a dataset's
+    mine.random()
+    ctx.save_checkpoint(folder, model=model, rank_state={"draws": mine}, epoch=0)
+    expected = [mine.randrange(10**6) for _ in range(3)]
+    fresh = random.Random(0)
+    ctx.load_checkpoint(folder, model=model, rank_state={"draws": fresh})
+    assert [fresh.randrange(10**6) for _ in range(3)] == expected
+    return expected
+
+
+@pytest.mark.distributed(world_size=2)
+def test_rank_state_comes_back_to_its_rank_from_a_sharded_checkpoint(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    folder = dist_ctx.broadcast(str(tmp_path)) + "/run"
+    draws = dist_ctx.all_gather(_rank_state_round_trip(folder))
+    assert draws[0] != draws[1]  # each rank got its own generator back, not rank 0's
