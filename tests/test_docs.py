@@ -41,6 +41,7 @@ def test_the_documents_have_examples() -> None:
 
 
 @pytest.mark.parametrize(("where", "code"), BLOCKS, ids=[where for where, _ in BLOCKS])
+@pytest.mark.slow
 def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(code)
@@ -57,6 +58,7 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
         assert result.stdout == "[0, 10]\n"
 
 
+@pytest.mark.slow
 def test_the_first_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(BLOCKS[0][1])
@@ -83,6 +85,7 @@ def test_every_public_name_is_in_the_api_reference(name: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_documentation_site_builds_strictly(tmp_path: Path) -> None:
     pytest.importorskip("mkdocstrings", reason='the docs extra: pip install -e ".[docs]"')
     site = tmp_path / "site"

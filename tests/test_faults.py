@@ -27,6 +27,9 @@ from tests.helpers import (
     wait_for_files,
 )
 
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
+
 SCRIPTS = REPO / "tests" / "scripts"
 
 

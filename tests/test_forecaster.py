@@ -16,6 +16,9 @@ import pytest
 
 from tests.helpers import REPO, child_env, child_pids, run_torchrun, start_torchrun
 
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPO / "examples" / "train_forecaster.py"
 EPOCHS = "6"
 

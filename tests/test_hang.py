@@ -26,6 +26,9 @@ from ddpctx.hang.report import RankState, format_report
 from ddpctx.hang.watchdog import resolve_hang_settings
 from tests.helpers import REPO, run_torchrun
 
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPO / "tests" / "scripts" / "hang_case.py"
 HANG_TIMEOUT = 2
 #: The report must come within hang_timeout + 5 s of the wait starting.

@@ -131,6 +131,7 @@ def test_bad_world_size(world_size: object) -> None:
         launch(lambda: None, world_size=world_size)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_from_a_script_with_functions_in_main(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(
@@ -150,6 +151,7 @@ def test_from_a_script_with_functions_in_main(tmp_path: Path) -> None:
     assert "RESULT [0, 5]" in result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_from_a_repl_session() -> None:
     import subprocess
     import sys
@@ -168,6 +170,7 @@ def test_from_a_repl_session() -> None:
     assert "RESULT [2, 2]" in result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -212,6 +215,7 @@ def big_backward() -> int:
     return torch.get_num_threads()
 
 
+@pytest.mark.slow
 def test_ranks_run_torch_even_after_the_caller_used_its_thread_pool() -> None:
     matrix = torch.randn(512, 512)
     (matrix @ matrix).sum()  # the caller's OpenMP pool is now running
@@ -237,6 +241,7 @@ def run_child(tmp_path: Path, source: str, timeout: float = 60) -> subprocess.Co
 
 
 @pytest.mark.parametrize("how", ["distributed", "init_process_group"])
+@pytest.mark.slow
 def test_launch_from_a_process_with_a_group_refuses_within_seconds(
     tmp_path: Path, how: str
 ) -> None:
@@ -318,6 +323,7 @@ except ddpctx.RankError as error:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.slow
 def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
     tmp_path: Path, signum: int
 ) -> None:

@@ -19,6 +19,7 @@ def run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", *args, timeout=150)
 
 
+@pytest.mark.slow
 def test_importing_the_plugin_does_not_import_torch() -> None:
     code = "import sys, ddpctx.testing.plugin; print('torch' in sys.modules)"
     result = subprocess.run(

@@ -122,6 +122,7 @@ def test_isolated_when_a_test_changes_module_globals(dist_ctx: DistContext) -> N
     torch.set_printoptions(precision=2)  # global state the warm pool could not undo
 
 
+@pytest.mark.slow
 def test_per_rank_output_is_streamed_with_dash_s(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_logging="""

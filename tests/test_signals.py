@@ -20,6 +20,9 @@ import pytest
 from ddpctx.session.signals import GRACE_S
 from tests.helpers import REPO, child_env, child_pids, start_torchrun, still_running, wait_for_files
 
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
+
 TARGET = REPO / "tests" / "scripts" / "sigterm_target.py"
 
 

@@ -13,6 +13,9 @@ import pytest
 
 from tests.helpers import REPO, child_pids, run_torchrun, start_torchrun, wait_for_files
 
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
+
 Report = tuple[list[dict[str, Any]], str]
 
 SCRIPTS = REPO / "tests" / "scripts"
