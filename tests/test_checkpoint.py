@@ -26,7 +26,7 @@ from torch import nn
 from ddpctx import DistContext, RankZeroError, distributed
 from ddpctx.checkpoint.files import atomic_save, training_state
 from ddpctx.utils.atomic import _FileSink
-from tests.helpers import REPO, child_env, wait_for_files
+from tests.helpers import REPO, child_env, patience, wait_for_files
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 
@@ -121,7 +121,7 @@ def test_two_writers_of_one_path_both_succeed_and_the_last_rename_wins(tmp_path:
         wait_for_files(tmp_path, "writing", 1, timeout=60)
         atomic_save({"fast": 1}, tmp_path / "state.pt")  # must not remove the first's file
         (tmp_path / "go").write_text("go")
-        out, err = first.communicate(timeout=60)
+        out, err = first.communicate(timeout=patience(60))
     finally:
         first.kill()
     assert first.returncode == 0, err[-2000:]

@@ -22,6 +22,7 @@ from tests.helpers import (
     REPO,
     child_env,
     child_pids,
+    patience,
     start_torchrun,
     still_running,
     wait_for_files,
@@ -61,7 +62,7 @@ def test_a_signal_to_a_torchrun_job_ends_every_rank(tmp_path: Path, signum: int)
         assert len(workers) == 2
         started = time.monotonic()
         job.send_signal(signum)
-        job.communicate(timeout=60)
+        job.communicate(timeout=patience(60))
         elapsed = time.monotonic() - started
     finally:
         if job.poll() is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_env, child_pids, run_torchrun, start_torchrun
+from tests.helpers import REPO, child_env, child_pids, patience, run_torchrun, start_torchrun
 
 # Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
 pytestmark = pytest.mark.slow
@@ -117,7 +117,7 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_same_weights(
         victims = child_pids(job.pid)
         assert victims, "no worker processes found under torchrun"
         os.kill(max(victims), signal.SIGKILL)  # right after its first mid-epoch checkpoint
-        stdout, stderr = job.communicate(timeout=120)
+        stdout, stderr = job.communicate(timeout=patience(120))
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]

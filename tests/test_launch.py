@@ -22,6 +22,7 @@ from tests.helpers import (
     child_env,
     child_pids,
     listening_addresses,
+    patience,
     run_python,
     still_running,
     wait_for_files,
@@ -202,7 +203,7 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
         ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
         assert len(ranks) == 2
         parent.send_signal(signal.SIGINT)
-        _, stderr = parent.communicate(timeout=30)
+        _, stderr = parent.communicate(timeout=patience(30))
     finally:
         parent.kill()
     assert "KeyboardInterrupt" in stderr
@@ -352,7 +353,7 @@ def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
     try:
         ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
         parent.send_signal(signum)
-        parent.communicate(timeout=30)
+        parent.communicate(timeout=patience(30))
     finally:
         parent.kill()
     assert parent.returncode == 128 + signum
