@@ -389,3 +389,22 @@ def test_gloos_mesh_race_at_formation_is_retried_with_a_fresh_prefix_and_logged_
     assert launch(lambda: ddpctx.current().all_reduce(1.0, op="sum"), world_size=2) == [2.0, 2.0]
     err = capsys.readouterr().err
     assert err.count("retrying the group formation with a fresh store prefix") == 1, err
+
+
+def test_every_group_handed_to_the_reaper_is_freed_once_it_drains() -> None:
+    from ddpctx.launching.worker import Reaper
+
+    freed: list[int] = []
+
+    class Group:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __del__(self) -> None:
+            freed.append(self.index)
+
+    reaper = Reaper()
+    for index in range(10):  # more than the backlog: drop waits for a slot instead of piling up
+        reaper.drop(Group(index))
+    reaper.drain()
+    assert sorted(freed) == list(range(10))
