@@ -26,9 +26,6 @@ from ddpctx.hang.report import RankState, format_report
 from ddpctx.hang.watchdog import resolve_hang_settings
 from tests.helpers import REPO, run_torchrun
 
-# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
-pytestmark = pytest.mark.slow
-
 SCRIPT = REPO / "tests" / "scripts" / "hang_case.py"
 HANG_TIMEOUT = 2
 #: The report must come within hang_timeout + 5 s of the wait starting.
@@ -73,6 +70,7 @@ def torchrun_case(case: str, nproc: int, on_hang: str = "report") -> tuple[int, 
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(nproc: int) -> None:
     code, out, err = torchrun_case("sleep", nproc)
     report = report_of(err)
@@ -93,6 +91,7 @@ def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(nproc: 
     assert "JOB-DONE" in out
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_under_launch_a_rank_that_sleeps_is_named(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -117,6 +116,7 @@ def _sleep_on_rank_1() -> None:
 # --- 2. different collectives; 5. on_hang="raise" -------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_ranks_in_different_collectives_are_named_with_both_call_sites() -> None:
     code, _, err = torchrun_case("diverge", 2, on_hang="raise")
     report = "\n".join(report_of(err.split("Root Cause")[0]))
@@ -127,6 +127,7 @@ def test_ranks_in_different_collectives_are_named_with_both_call_sites() -> None
     assert code != 0
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_on_hang_raise_ends_the_job_with_the_report_as_root_cause() -> None:
     started = time.monotonic()
     code, _, err = torchrun_case("sleep", 3, on_hang="raise")
@@ -143,6 +144,7 @@ def test_on_hang_raise_ends_the_job_with_the_report_as_root_cause() -> None:
 # --- 3. a raw torch.distributed call; 4. DDP ------------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_raw_torch_distributed_collective_counts_as_waiting() -> None:
     _, _, err = torchrun_case("raw", 2)
     report = report_of(err)
@@ -153,6 +155,7 @@ def test_a_raw_torch_distributed_collective_counts_as_waiting() -> None:
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(nproc: int) -> None:
     code, out, err = torchrun_case("ddp", nproc)
     report = report_of(err)
@@ -169,6 +172,7 @@ def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(npr
 # --- 6. a slow rank-0 write -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_slow_checkpoint_write_is_reported_once_and_the_job_succeeds() -> None:
     code, out, err = torchrun_case("slow_save", 2)
     report = report_of(err)  # exactly one
@@ -181,6 +185,7 @@ def test_a_slow_checkpoint_write_is_reported_once_and_the_job_succeeds() -> None
 # --- 7. no growth over enter/exit cycles ----------------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_two_hundred_cycles_leave_no_thread_or_file_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DDPCTX_HANG_TIMEOUT", raising=False)
     with distributed(hang_timeout=30):
@@ -247,6 +252,7 @@ def test_skipping_a_batch_with_ctx_any_keeps_the_ranks_in_lockstep() -> None:
     assert results[0] == results[1]
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_skipping_a_batch_on_one_rank_alone_hangs_and_is_diagnosed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -357,6 +363,7 @@ def test_a_report_has_a_headline_a_line_per_rank_a_diagnosis_and_the_stacks(
 # --- the example that hangs on purpose, and the README's copy of its report ---------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> None:
     result = run_torchrun(REPO / "examples" / "hang.py", nproc=2, timeout=150)
     assert result.returncode != 0
