@@ -37,6 +37,7 @@ def model_copy(ctx: DistContext) -> tuple[nn.Module, torch.optim.Optimizer, list
 
 
 @RANKS
+@pytest.mark.slow
 def test_accumulating_n_micro_batches_equals_one_n_times_larger_batch(
     dist_ctx: DistContext,
 ) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 from ddpctx import DistContext, RankZeroError, distributed
 from ddpctx.checkpoint.files import atomic_save, training_state
 from ddpctx.utils.atomic import _FileSink
-from tests.helpers import REPO, child_env, wait_for_files
+from tests.helpers import REPO, child_env, patience, wait_for_files
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 
@@ -70,6 +70,7 @@ def test_a_temporary_file_left_by_a_killed_writer_is_removed_by_the_next_save(
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
 
 
+@pytest.mark.slow
 def test_a_temporary_file_another_live_writer_is_writing_is_left_alone(tmp_path: Path) -> None:
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as writer:
         try:
@@ -106,6 +107,7 @@ print("first writer done")
 """
 
 
+@pytest.mark.slow
 def test_two_writers_of_one_path_both_succeed_and_the_last_rename_wins(tmp_path: Path) -> None:
     first = subprocess.Popen(
         [sys.executable, "-c", SLOW_WRITER, str(tmp_path)],
@@ -119,7 +121,7 @@ def test_two_writers_of_one_path_both_succeed_and_the_last_rename_wins(tmp_path:
         wait_for_files(tmp_path, "writing", 1, timeout=60)
         atomic_save({"fast": 1}, tmp_path / "state.pt")  # must not remove the first's file
         (tmp_path / "go").write_text("go")
-        out, err = first.communicate(timeout=60)
+        out, err = first.communicate(timeout=patience(60))
     finally:
         first.kill()
     assert first.returncode == 0, err[-2000:]
@@ -351,6 +353,7 @@ awkward_meta = st.fixed_dictionaries(
 
 @settings(max_examples=15, deadline=None)
 @given(meta=awkward_meta)
+@pytest.mark.slow
 def test_numpy_paths_and_namespaces_in_meta_round_trip(meta: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as folder, distributed() as ctx:
         ctx.save_checkpoint(folder, model=Net(), **meta)

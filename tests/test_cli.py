@@ -83,6 +83,7 @@ def test_version_prints_the_package_version() -> None:
     assert result.stdout.strip() == f"ddpctx {__version__}"
 
 
+@pytest.mark.slow
 def test_env_reports_a_single_process_here_as_json() -> None:
     result = ddpctx("env", "--json")
     assert result.returncode == 0, result.stderr
@@ -98,6 +99,7 @@ def test_env_reports_a_single_process_here_as_json() -> None:
     assert report["problem"] is None
 
 
+@pytest.mark.slow
 def test_env_reads_the_launchers_variables() -> None:
     result = ddpctx(
         "env",
@@ -120,6 +122,7 @@ def test_env_reads_the_launchers_variables() -> None:
         assert line in result.stdout
 
 
+@pytest.mark.slow
 def test_env_names_a_bad_variable_and_exits_non_zero() -> None:
     result = ddpctx("env", RANK="0")
     assert result.returncode == 1
@@ -161,6 +164,7 @@ def test_env_names_every_bad_option_at_once(monkeypatch: pytest.MonkeyPatch) -> 
         assert named in problem
 
 
+@pytest.mark.slow
 def test_check_refuses_a_message_too_large_in_one_line() -> None:
     # Before: a 35-line traceback from the ranks' allocation.
     result = ddpctx("check", "--sizes", "99999999999")
@@ -174,6 +178,7 @@ def test_check_refuses_a_message_too_large_in_one_line() -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "ddpctx"
     result = subprocess.run(
@@ -183,6 +188,7 @@ def test_the_console_script_is_installed() -> None:
     assert "launcher" in result.stdout
 
 
+@pytest.mark.slow
 def test_check_verifies_every_collective_on_local_ranks() -> None:
     result = ddpctx("check", "--world-size", "2", "--sizes", "64,4096")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -205,6 +211,7 @@ def test_check_verifies_every_collective_on_local_ranks() -> None:
     assert "FAILED" not in table
 
 
+@pytest.mark.slow
 def test_check_inside_a_torchrun_job_uses_the_jobs_ranks() -> None:
     result = subprocess.run(
         [
@@ -269,6 +276,7 @@ def test_an_ifname_naming_a_missing_interface_is_a_problem_naming_it(
     assert "or unset it" in problem
 
 
+@pytest.mark.slow
 def test_a_bad_gloo_ifname_is_a_failed_check_naming_it() -> None:
     result = ddpctx("check", "--sizes", "8", GLOO_SOCKET_IFNAME="nosuch0")
     assert result.returncode == 1
@@ -277,12 +285,14 @@ def test_a_bad_gloo_ifname_is_a_failed_check_naming_it() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_good_gloo_ifname_is_a_passing_check() -> None:
     result = ddpctx("check", "--sizes", "8", GLOO_SOCKET_IFNAME="lo")
     assert result.returncode == 0, result.stdout + result.stderr
     assert table_row(result.stdout, "GLOO_SOCKET_IFNAME", "-")[-1] == "ok"
 
 
+@pytest.mark.slow
 def test_a_bad_gloo_ifname_under_torchrun_is_reported_once_without_a_raw_traceback() -> None:
     result = ddpctx_under_torchrun("check", "--sizes", "8", GLOO_SOCKET_IFNAME="nosuch0")
     assert result.returncode != 0
@@ -292,6 +302,7 @@ def test_a_bad_gloo_ifname_under_torchrun_is_reported_once_without_a_raw_traceba
     assert "traceback : ValueError: GLOO_SOCKET_IFNAME='nosuch0'" in result.stderr
 
 
+@pytest.mark.slow
 def test_env_under_torchrun_heads_each_block_with_its_rank() -> None:
     result = ddpctx_under_torchrun("env")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -303,6 +314,7 @@ def test_env_under_torchrun_heads_each_block_with_its_rank() -> None:
         assert re.search(rf"^local_rank +{rank}$", block, re.MULTILINE), block
 
 
+@pytest.mark.slow
 def test_env_json_under_torchrun_is_one_document_per_rank_per_line() -> None:
     result = ddpctx_under_torchrun("env", "--json")
     assert result.returncode == 0, result.stderr[-3000:]

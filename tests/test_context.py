@@ -235,6 +235,7 @@ def test_bad_environment_leaves_no_group_behind(
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_sigterm_inside_the_block_exits_143_after_clean_up(tmp_path: Path) -> None:
     script = tmp_path / "sigterm.py"
     script.write_text(

@@ -44,6 +44,7 @@ def test_the_documents_have_examples() -> None:
 
 
 @pytest.mark.parametrize(("where", "code"), BLOCKS, ids=[where for where, _ in BLOCKS])
+@pytest.mark.slow
 def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(code)
@@ -60,6 +61,7 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
         assert result.stdout == "[0, 10]\n"
 
 
+@pytest.mark.slow
 def test_the_readme_example_stopped_mid_epoch_logs_the_same_steps_once_resumed(
     tmp_path: Path,
 ) -> None:
@@ -90,6 +92,7 @@ def test_the_readme_example_stopped_mid_epoch_logs_the_same_steps_once_resumed(
     assert second.stdout.splitlines() == ["resuming at epoch 1, batch 5 of 16", *lines[6:]]
 
 
+@pytest.mark.slow
 def test_the_first_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(BLOCKS[0][1])

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.helpers import REPO, run_python, run_torchrun
+
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
 
 
 def _train_losses(stdout: str) -> list[float]:

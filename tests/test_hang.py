@@ -72,6 +72,7 @@ def torchrun_case(case: str, nproc: int, on_hang: str = "report") -> tuple[int, 
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(nproc: int) -> None:
     code, out, err = torchrun_case("sleep", nproc)
     report = report_of(err)
@@ -144,6 +145,7 @@ def test_another_rank_reports_when_rank_0_is_stopped() -> None:
     assert "JOB-DONE" in out
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_under_launch_a_rank_that_sleeps_is_named(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -168,6 +170,7 @@ def _sleep_on_rank_1() -> None:
 # --- 2. different collectives; 5. on_hang="raise" -------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_ranks_in_different_collectives_are_named_with_both_call_sites() -> None:
     code, _, err = torchrun_case("diverge", 2, on_hang="raise")
     report = "\n".join(report_of(err.split("Root Cause")[0]))
@@ -178,6 +181,7 @@ def test_ranks_in_different_collectives_are_named_with_both_call_sites() -> None
     assert code != 0
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_on_hang_raise_ends_the_job_with_the_report_as_root_cause() -> None:
     started = time.monotonic()
     code, _, err = torchrun_case("sleep", 3, on_hang="raise")
@@ -194,6 +198,7 @@ def test_on_hang_raise_ends_the_job_with_the_report_as_root_cause() -> None:
 # --- 3. a raw torch.distributed call; 4. DDP ------------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_raw_torch_distributed_collective_counts_as_waiting() -> None:
     _, _, err = torchrun_case("raw", 2)
     report = report_of(err)
@@ -204,6 +209,7 @@ def test_a_raw_torch_distributed_collective_counts_as_waiting() -> None:
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(nproc: int) -> None:
     code, out, err = torchrun_case("ddp", nproc)
     report = report_of(err)
@@ -220,6 +226,7 @@ def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(npr
 # --- 6. a slow rank-0 write -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_a_slow_checkpoint_write_is_reported_once_and_the_job_succeeds() -> None:
     code, out, err = torchrun_case("slow_save", 2)
     report = report_of(err)  # exactly one
@@ -232,6 +239,7 @@ def test_a_slow_checkpoint_write_is_reported_once_and_the_job_succeeds() -> None
 # --- 7. no growth over enter/exit cycles ----------------------------------------------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_two_hundred_cycles_leave_no_thread_or_file_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DDPCTX_HANG_TIMEOUT", raising=False)
     with distributed(hang_timeout=30):
@@ -298,6 +306,7 @@ def test_skipping_a_batch_with_ctx_any_keeps_the_ranks_in_lockstep() -> None:
     assert results[0] == results[1]
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_skipping_a_batch_on_one_rank_alone_hangs_and_is_diagnosed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -414,6 +423,7 @@ def test_a_report_has_a_headline_a_line_per_rank_a_diagnosis_and_the_stacks(
 # --- the example that hangs on purpose, and the README's copy of its report ---------------
 
 
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> None:
     result = run_torchrun(REPO / "examples" / "hang.py", nproc=2, timeout=150)
     assert result.returncode != 0
@@ -481,3 +491,12 @@ def test_a_rank_that_does_not_answer_is_named_with_how_long() -> None:
     report = format_report(states, 2, silent_for={0: 8.6}).splitlines()
     assert rank_line(report, 0).strip().startswith("rank 0: not answering for 9 s (it may hold")
     assert report[3].startswith("diagnosis: rank 0 is not answering while 1 rank waits for it")
+
+
+@pytest.mark.parametrize(("collective_timeout", "expected"), [(2.0, 1.0), (1.0, 0.0), (0.5, 0.0)])
+def test_a_short_collective_timeout_never_gets_a_default_hang_timeout_below_the_floor(
+    collective_timeout: float, expected: float
+) -> None:
+    # Before: launch(timeout=2) derived hang_timeout=0.4 s and then refused its own default.
+    settings = resolve_hang_settings(None, "report", False, collective_timeout, {})
+    assert settings.hang_timeout == expected

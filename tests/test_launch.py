@@ -22,6 +22,7 @@ from tests.helpers import (
     child_env,
     child_pids,
     listening_addresses,
+    patience,
     run_python,
     still_running,
     wait_for_files,
@@ -175,6 +176,7 @@ def test_bad_world_size(world_size: object) -> None:
         launch(lambda: None, world_size=world_size)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_from_a_script_with_functions_in_main(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(
@@ -194,6 +196,7 @@ def test_from_a_script_with_functions_in_main(tmp_path: Path) -> None:
     assert "RESULT [0, 5]" in result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_from_a_repl_session() -> None:
     import subprocess
     import sys
@@ -212,6 +215,7 @@ def test_from_a_repl_session() -> None:
     assert "RESULT [2, 2]" in result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -243,7 +247,7 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
         ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
         assert len(ranks) == 2
         parent.send_signal(signal.SIGINT)
-        _, stderr = parent.communicate(timeout=30)
+        _, stderr = parent.communicate(timeout=patience(30))
     finally:
         parent.kill()
     assert "KeyboardInterrupt" in stderr
@@ -256,6 +260,7 @@ def big_backward() -> int:
     return torch.get_num_threads()
 
 
+@pytest.mark.slow
 def test_ranks_run_torch_even_after_the_caller_used_its_thread_pool() -> None:
     matrix = torch.randn(512, 512)
     (matrix @ matrix).sum()  # the caller's OpenMP pool is now running
@@ -281,6 +286,7 @@ def run_child(tmp_path: Path, source: str, timeout: float = 60) -> subprocess.Co
 
 
 @pytest.mark.parametrize("how", ["distributed", "init_process_group"])
+@pytest.mark.slow
 def test_launch_from_a_process_with_a_group_refuses_within_seconds(
     tmp_path: Path, how: str
 ) -> None:
@@ -362,6 +368,7 @@ except ddpctx.RankError as error:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.slow
 def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
     tmp_path: Path, signum: int
 ) -> None:
@@ -390,7 +397,7 @@ def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
     try:
         ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
         parent.send_signal(signum)
-        parent.communicate(timeout=30)
+        parent.communicate(timeout=patience(30))
     finally:
         parent.kill()
     assert parent.returncode == 128 + signum
@@ -426,3 +433,22 @@ def test_gloos_mesh_race_at_formation_is_retried_with_a_fresh_prefix_and_logged_
     assert launch(lambda: ddpctx.current().all_reduce(1.0, op="sum"), world_size=2) == [2.0, 2.0]
     err = capsys.readouterr().err
     assert err.count("retrying the group formation with a fresh store prefix") == 1, err
+
+
+def test_every_group_handed_to_the_reaper_is_freed_once_it_drains() -> None:
+    from ddpctx.launching.worker import Reaper
+
+    freed: list[int] = []
+
+    class Group:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __del__(self) -> None:
+            freed.append(self.index)
+
+    reaper = Reaper()
+    for index in range(10):  # more than the backlog: drop waits for a slot instead of piling up
+        reaper.drop(Group(index))
+    reaper.drain()
+    assert sorted(freed) == list(range(10))

@@ -125,6 +125,7 @@ def test_a_long_module_says_why_it_is_long() -> None:
         ("ddpctx.launcher", "launch"),
     ],
 )
+@pytest.mark.slow
 def test_an_old_module_path_still_imports_with_a_deprecation_warning(old: str, name: str) -> None:
     code = f"import warnings; warnings.simplefilter('error'); from {old} import {name}"
     moved = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -140,6 +141,7 @@ def test_an_old_module_path_still_imports_with_a_deprecation_warning(old: str, n
     assert ok.returncode == 0, ok.stderr
 
 
+@pytest.mark.slow
 def test_the_testing_plugin_still_imports_without_a_warning() -> None:
     code = "import warnings; warnings.simplefilter('error'); import ddpctx.testing.plugin"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

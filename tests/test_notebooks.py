@@ -10,6 +10,9 @@ import pytest
 
 from tests.helpers import REPO, child_env
 
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
+
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 

@@ -19,6 +19,7 @@ def run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", *args, timeout=150)
 
 
+@pytest.mark.slow
 def test_importing_the_plugin_does_not_import_torch() -> None:
     code = "import sys, ddpctx.testing.plugin; print('torch' in sys.modules)"
     result = subprocess.run(
@@ -27,6 +28,7 @@ def test_importing_the_plugin_does_not_import_torch() -> None:
     assert result.stdout.strip() == "False", result.stderr
 
 
+@pytest.mark.slow
 def test_a_passing_test_runs_on_every_rank_with_fixtures_from_the_main_process(
     pytester: pytest.Pytester,
 ) -> None:
@@ -50,6 +52,7 @@ def test_a_passing_test_runs_on_every_rank_with_fixtures_from_the_main_process(
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_a_list_of_world_sizes_expands_into_one_test_per_size(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -68,6 +71,7 @@ def test_a_list_of_world_sizes_expands_into_one_test_per_size(pytester: pytest.P
     )
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_output(
     pytester: pytest.Pytester,
 ) -> None:
@@ -101,6 +105,7 @@ def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_
     )
 
 
+@pytest.mark.slow
 def test_a_failure_report_shows_the_output_of_every_rank_also_those_still_running(
     pytester: pytest.Pytester,
 ) -> None:
@@ -131,6 +136,7 @@ def test_a_failure_report_shows_the_output_of_every_rank_also_those_still_runnin
     assert "from an earlier test" not in failure  # the warm pool's earlier test is not this one
 
 
+@pytest.mark.slow
 def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_error(
     pytester: pytest.Pytester,
 ) -> None:
@@ -155,6 +161,7 @@ def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_err
     assert ".cc:" not in failure  # gloo's C++ source path is not what the reader needs
 
 
+@pytest.mark.slow
 def test_a_hang_fails_that_test_with_every_ranks_stack_and_the_session_goes_on(
     pytester: pytest.Pytester,
 ) -> None:
@@ -187,6 +194,7 @@ def test_a_hang_fails_that_test_with_every_ranks_stack_and_the_session_goes_on(
     )
 
 
+@pytest.mark.slow
 def test_a_skip_inside_a_rank_skips_the_test(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -202,6 +210,7 @@ def test_a_skip_inside_a_rank_skips_the_test(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*needs two GPUs*"])
 
 
+@pytest.mark.slow
 def test_run_distributed_takes_closures_and_module_functions(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -222,6 +231,7 @@ def test_run_distributed_takes_closures_and_module_functions(pytester: pytest.Py
     result.assert_outcomes(passed=2)
 
 
+@pytest.mark.slow
 def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester, tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -247,6 +257,7 @@ def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester, tmp_pat
     assert alive == [], f"rank processes still running: {alive}"
 
 
+@pytest.mark.slow
 def test_works_under_xdist(pytester: pytest.Pytester) -> None:
     pytest.importorskip("xdist")
     result = run(
@@ -270,6 +281,7 @@ def test_works_under_xdist(pytester: pytest.Pytester) -> None:
 # --- issue: the plugin must behave like pytest --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_marked_async_test_runs_its_body(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -314,6 +326,7 @@ def test_trivial(index):
 """
 
 
+@pytest.mark.slow
 def test_trivial_two_rank_tests_never_fail_to_form_their_group_under_cpu_load(
     pytester: pytest.Pytester,
 ) -> None:
@@ -324,6 +337,7 @@ def test_trivial_two_rank_tests_never_fail_to_form_their_group_under_cpu_load(
     result.assert_outcomes(passed=100)
 
 
+@pytest.mark.slow
 def test_no_state_leaks_from_one_test_to_the_next_through_the_warm_pool(
     pytester: pytest.Pytester,
 ) -> None:
@@ -369,6 +383,7 @@ def test_no_state_leaks_from_one_test_to_the_next_through_the_warm_pool(
     result.assert_outcomes(passed=4)
 
 
+@pytest.mark.slow
 def test_isolated_tests_get_fresh_rank_processes(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -392,6 +407,7 @@ def test_isolated_tests_get_fresh_rank_processes(pytester: pytest.Pytester) -> N
     result.assert_outcomes(passed=2)
 
 
+@pytest.mark.slow
 def test_environment_and_cwd_from_fixtures_reach_the_ranks_in_every_test(
     pytester: pytest.Pytester,
 ) -> None:
@@ -440,6 +456,7 @@ def test_capsys_inside_a_rank(dist_ctx, capsys):
 """
 
 
+@pytest.mark.slow
 def test_dash_s_streams_each_ranks_output_with_its_rank(pytester: pytest.Pytester) -> None:
     result = run(pytester, OUTPUT_TESTS, "-s")
     result.assert_outcomes(passed=2)
@@ -447,6 +464,7 @@ def test_dash_s_streams_each_ranks_output_with_its_rank(pytester: pytest.Pyteste
     result.stdout.fnmatch_lines(["*[[]rank 1[]] hello from rank 1*"])
 
 
+@pytest.mark.slow
 def test_dash_r_p_shows_the_output_of_passing_tests(pytester: pytest.Pytester) -> None:
     result = run(pytester, OUTPUT_TESTS, "-rP")
     result.assert_outcomes(passed=2)
@@ -461,6 +479,7 @@ def test_dash_r_p_shows_the_output_of_passing_tests(pytester: pytest.Pytester) -
     )
 
 
+@pytest.mark.slow
 def test_dist_world_size_fixture_and_pytest_param_world_sizes(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -488,6 +507,7 @@ def test_dist_world_size_fixture_and_pytest_param_world_sizes(pytester: pytest.P
     result.stdout.fnmatch_lines(["*test_sizes?ws1? PASSED*", "*test_sizes?pair? PASSED*"])
 
 
+@pytest.mark.slow
 def test_init_false_gives_the_rendezvous_variables_and_no_group(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -515,6 +535,7 @@ def test_init_false_gives_the_rendezvous_variables_and_no_group(pytester: pytest
     result.assert_outcomes(passed=2)
 
 
+@pytest.mark.slow
 def test_a_positional_world_size_is_accepted(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -529,6 +550,7 @@ def test_a_positional_world_size_is_accepted(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_a_bad_marker_is_one_clear_line_on_that_test_only(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -548,6 +570,7 @@ def test_a_bad_marker_is_one_clear_line_on_that_test_only(pytester: pytest.Pytes
     result.stdout.fnmatch_lines(["*distributed(world_size=0)*must be a positive int*"])
 
 
+@pytest.mark.slow
 def test_a_skip_points_at_the_test_not_at_the_plugin(pytester: pytest.Pytester) -> None:
     result = run(
         pytester,
@@ -564,6 +587,7 @@ def test_a_skip_points_at_the_test_not_at_the_plugin(pytester: pytest.Pytester) 
     result.stdout.no_fnmatch_line("*pluggy?_*")
 
 
+@pytest.mark.slow
 def test_a_failure_with_an_unpicklable_fixture_does_not_chain_a_pickling_error(
     pytester: pytest.Pytester,
 ) -> None:
@@ -582,6 +606,7 @@ def test_a_failure_with_an_unpicklable_fixture_does_not_chain_a_pickling_error(
     result.stdout.no_fnmatch_line("*pickle*")
 
 
+@pytest.mark.slow
 def test_a_pytest_timeout_hit_shows_the_ranks_stacks(pytester: pytest.Pytester) -> None:
     pytest.importorskip("pytest_timeout")
     result = run(

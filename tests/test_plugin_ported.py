@@ -122,6 +122,7 @@ def test_isolated_when_a_test_changes_module_globals(dist_ctx: DistContext) -> N
     torch.set_printoptions(precision=2)  # global state the warm pool could not undo
 
 
+@pytest.mark.slow
 def test_per_rank_output_is_streamed_with_dash_s(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_logging="""
@@ -138,3 +139,11 @@ def test_per_rank_output_is_streamed_with_dash_s(pytester: pytest.Pytester) -> N
     result.assert_outcomes(passed=1)
     for rank in (0, 1):
         result.stdout.fnmatch_lines([f"[[]rank {rank}[]] step 2 loss 0.33"])
+
+
+@pytest.mark.distributed(world_size=2, isolated=True)
+def test_ranks_start_with_what_ddps_constructor_imports_already_loaded() -> None:
+    """DDP's constructor imports torch._dynamo (seconds): the pytest process pays it once."""
+    import sys
+
+    assert "torch._dynamo" in sys.modules

@@ -14,6 +14,9 @@ import pytest
 
 from tests.helpers import REPO, child_env, start_torchrun
 
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPO / "tests" / "scripts" / "scale_out.py"
 
 

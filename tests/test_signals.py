@@ -18,7 +18,18 @@ from pathlib import Path
 import pytest
 
 from ddpctx.session.signals import GRACE_S
-from tests.helpers import REPO, child_env, child_pids, start_torchrun, still_running, wait_for_files
+from tests.helpers import (
+    REPO,
+    child_env,
+    child_pids,
+    patience,
+    start_torchrun,
+    still_running,
+    wait_for_files,
+)
+
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
 
 TARGET = REPO / "tests" / "scripts" / "sigterm_target.py"
 
@@ -48,7 +59,7 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective_within_a_second(tmp_path: P
         pid = int((tmp_path / "ready0").read_text())
         os.killpg(os.getpgid(pid), signal.SIGTERM)  # what torchrun does
         took = wait_gone(pid, limit=30)
-        _, stderr = job.communicate(timeout=60)  # torchrun then stops rank 1 itself
+        _, stderr = job.communicate(timeout=patience(60))  # torchrun then stops rank 1 itself
     finally:
         for pid in [job.pid, *ranks]:
             if Path(f"/proc/{pid}").exists():
@@ -74,7 +85,7 @@ def test_sigterm_with_busy_dataloader_workers_leaves_at_once(tmp_path: Path) -> 
         assert len(workers) >= 2, workers
         sent = time.time()
         os.killpg(process.pid, signal.SIGTERM)  # the rank and its workers, as torchrun does
-        _, stderr = process.communicate(timeout=60)
+        _, stderr = process.communicate(timeout=patience(60))
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_pids, run_torchrun, start_torchrun, wait_for_files
+from tests.helpers import REPO, child_pids, patience, run_torchrun, start_torchrun, wait_for_files
+
+# Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
+pytestmark = pytest.mark.slow
 
 Report = tuple[list[dict[str, Any]], str]
 
@@ -116,7 +119,7 @@ def test_a_rank_killed_with_sigkill_ends_the_job_naming_it(nproc: int, tmp_path:
         assert len(workers) == nproc
         started = time.monotonic()
         os.kill(workers[-1], signal.SIGKILL)  # the highest pid: the last rank started
-        _, stderr = job.communicate(timeout=60)
+        _, stderr = job.communicate(timeout=patience(60))
         elapsed = time.monotonic() - started
     finally:
         job.kill()

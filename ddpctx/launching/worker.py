@@ -25,9 +25,11 @@ import faulthandler
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -112,6 +114,7 @@ def worker_main(
     from ddpctx.launching.taskstate import capture
 
     start = capture()
+    reaper = Reaper()
     task = first
     while True:
         if task is None:
@@ -122,7 +125,7 @@ def worker_main(
             if task is None:
                 return
         out_start, err_start = out_path.stat().st_size, err_path.stat().st_size
-        outcome = _run_task(rank, world_size, task, start)
+        outcome = _run_task(rank, world_size, task, start, reaper)
         sys.stdout.flush()
         sys.stderr.flush()
         outcome.stdout = read_from(out_path, out_start)
@@ -166,9 +169,67 @@ def _unpicklable(outcome: Outcome, error: Exception) -> Outcome:
     )
 
 
-def _run_task(rank: int, world_size: int, task: Task, start: RankState) -> Outcome:
+class Reaper:
+    """Frees the process groups of finished tasks on a thread of its own.
+
+    Freeing a gloo group joins its transport threads, which wake every 10 ms:
+    about 20 ms per group, spent waiting with the GIL released. Freed here, that
+    wait overlaps the next task instead of lengthening every one. At most
+    :attr:`BACKLOG` groups wait to be freed; :meth:`drop` waits for a slot
+    beyond that, so a long run of short tasks never piles up sockets and threads.
+
+    Example:
+        >>> reaper = Reaper()
+        >>> reaper.drop(object())
+        >>> reaper.drain()
+    """
+
+    BACKLOG = 2
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._slots = threading.Semaphore(self.BACKLOG)
+        self._thread: threading.Thread | None = None
+
+    def drop(self, group: object) -> None:
+        """Free ``group`` (this must be the last reference to it) soon, on the reaper's thread."""
+        self._slots.acquire()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ddpctx-reaper", daemon=True)
+            self._thread.start()
+        self._queue.put(group)
+
+    def drain(self) -> None:
+        """Return once every group dropped so far is freed."""
+        for _ in range(self.BACKLOG):
+            self._slots.acquire()
+        for _ in range(self.BACKLOG):
+            self._slots.release()
+
+    def _run(self) -> None:
+        while True:
+            group = self._queue.get()
+            del group  # the last reference: the group's destructor runs here
+            self._slots.release()
+
+
+def _release_group(reaper: Reaper) -> None:
+    """Destroy the task's process group (formed by ddpctx, or left behind by the task).
+
+    torch forgets the group at once, so the next task can form its own; the
+    object itself is freed by ``reaper``.
+    """
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        return
+    world = dist.group.WORLD
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    reaper.drop(world)
+
+
+def _run_task(rank: int, world_size: int, task: Task, start: RankState, reaper: Reaper) -> Outcome:
     from ddpctx.launching.taskstate import task_state
 
     try:
@@ -184,9 +245,7 @@ def _run_task(rank: int, world_size: int, task: Task, start: RankState) -> Outco
             try:
                 return Outcome(rank, "ok", value=_call(rank, world_size, task))
             finally:
-                if dist.is_initialized():  # formed by ddpctx, or left behind by the task
-                    with contextlib.suppress(Exception):
-                        dist.destroy_process_group()
+                _release_group(reaper)
     except BaseException as error:
         if _is_pytest_skip(error):
             return Outcome(rank, "skip", error_text=str(error))

@@ -79,8 +79,7 @@ class _Pools:
         echo: bool = False,
     ) -> tuple[list[Any], list[tuple[str, str]]]:
         """Per-rank results and per-rank ``(stdout, stderr)``."""
-        import torch  # noqa: F401 -- imported before forking, so workers start warm
-
+        warm_up()
         from ddpctx.launching.pool import RankPool
         from ddpctx.launching.worker import Task
 
@@ -100,6 +99,33 @@ class _Pools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+#: Imported once in the pytest process, before any pool forks, so that every rank -- of
+#: every pool, also one that replaces a spoiled pool -- starts with them loaded: torch;
+#: ddpctx's rank side (which pytest compiles anew, rewriting its asserts, as the plugin's
+#: package); and ``torch._dynamo``, which DDP's constructor imports on first use (3-8 s,
+#: paid otherwise by the first ``ctx.wrap`` in each rank of each pool).
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "ddpctx.session.context",
+    "ddpctx.launching.worker",
+    "ddpctx.launching.taskstate",
+    "torch.nn.parallel",
+    "torch._dynamo",
+)
+
+
+def warm_up() -> None:
+    """Import :data:`WARM_MODULES` here (once; later calls cost a dict lookup each)."""
+    import importlib
+
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # torch._dynamo may be missing from a minimal torch build
+            continue
 
 
 def _picklable(value: Any) -> bool:
