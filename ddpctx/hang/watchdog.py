@@ -118,6 +118,22 @@ def resolve_hang_settings(
     return HangSettings(seconds, str(on_hang), debug or _debug_from_env(environ))
 
 
+def _default_hang_seconds(collective_timeout_s: float) -> float:
+    """A fifth of the collective timeout, at most 300 s, never below the floor.
+
+    A collective timeout too short for even the floor (``launch(timeout=1)``)
+    leaves the doctor off by default: its report could not come before the
+    job fails.
+
+    >>> _default_hang_seconds(2.0), _default_hang_seconds(1.0), _default_hang_seconds(60.0)
+    (1.0, 0.0, 12.0)
+    """
+    seconds = min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S)
+    if seconds >= MIN_HANG_TIMEOUT_S:
+        return seconds
+    return MIN_HANG_TIMEOUT_S if collective_timeout_s > MIN_HANG_TIMEOUT_S else 0.0
+
+
 def _hang_seconds(
     value: object, collective_timeout_s: float, environ: Mapping[str, str]
 ) -> tuple[float, str]:
@@ -125,7 +141,7 @@ def _hang_seconds(
     if value is None:
         raw = environ.get("DDPCTX_HANG_TIMEOUT", "").strip()
         if raw == "":
-            return min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S), "hang_timeout"
+            return _default_hang_seconds(collective_timeout_s), "hang_timeout"
         try:
             seconds = float(raw)
         except ValueError:
