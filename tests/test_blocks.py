@@ -49,6 +49,7 @@ def test_atomic_dir_replaces_the_directory_whole(dist_ctx: DistContext, tmp_path
                 (tmp / f"weights-{version}.bin").write_bytes(b"w")
         assert json.loads((target / "config.json").read_text()) == {"version": version}
         assert sorted(p.name for p in target.iterdir()) == ["config.json", f"weights-{version}.bin"]
+        dist_ctx.barrier()  # every rank has read this version before rank 0 replaces it
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary left
 
 

@@ -15,7 +15,10 @@ epoch always syncs (no gradient leaks into the next epoch).
 Example:
     >>> model = torch.nn.Linear(2, 1)          # not DDP: never anything to skip
     >>> accumulation = Accumulation(model, every=2, world_size=1)
-    >>> [accumulation.__enter__() for _ in range(4)]
+    >>> def micro_batch() -> bool:
+    ...     with accumulation as sync:      # sync: this backward all-reduces
+    ...         return sync
+    >>> [micro_batch() for _ in range(4)]
     [False, True, False, True]
 """
 
