@@ -250,6 +250,14 @@ def test_bad_sizes_are_refused() -> None:
     assert "--sizes 'abc': give float32 element counts separated by commas" in result.stderr
 
 
+def test_a_world_size_no_machine_can_hold_is_refused_in_one_line() -> None:
+    # Before: `check --world-size 100000` forked until the machine swapped to a halt.
+    result = ddpctx("check", "--world-size", "100000")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "--world-size 100000: more ranks than this machine can hold" in result.stderr
+
+
 @given(
     interfaces=st.lists(
         st.text("abcdefghij0123456789", min_size=1, max_size=6), min_size=1, unique=True

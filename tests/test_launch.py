@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -174,6 +175,16 @@ def test_a_rank_that_dies_is_reported() -> None:
 def test_bad_world_size(world_size: object) -> None:
     with pytest.raises(ValueError, match=r"world_size=.* must be a positive int"):
         launch(lambda: None, world_size=world_size)  # type: ignore[arg-type]
+
+
+def test_a_world_size_no_machine_can_hold_is_refused_before_any_fork() -> None:
+    # world_size=100000 forked until the machine swapped to a halt.
+    from ddpctx.launching.pool import max_local_ranks
+
+    too_many = max_local_ranks() + 1
+    with pytest.raises(ValueError, match=rf"world_size={too_many} local ranks .* world_size<="):
+        launch(lambda: None, world_size=too_many)
+    assert multiprocessing.active_children() == []
 
 
 @pytest.mark.slow

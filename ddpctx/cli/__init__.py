@@ -124,6 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be at least 1")
+    from ddpctx.launching.pool import max_local_ranks
+
+    if "RANK" not in os.environ and args.world_size > max_local_ranks():
+        parser.error(
+            f"--world-size {args.world_size}: more ranks than this machine can hold "
+            f"(at most {max_local_ranks()} local processes); pass a smaller --world-size, "
+            "or run the check under torchrun across nodes"
+        )
     from ddpctx import distributed, launch
     from ddpctx.utils.errors import record_for_torchrun
 

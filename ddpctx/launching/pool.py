@@ -41,6 +41,21 @@ FOLLOW_ON_GRACE_S = 1.0
 STACK_DUMP_WAIT_S = 1.0
 #: Seconds a rank that is stopped gets, after SIGTERM, to run its ``finally`` blocks.
 FINALLY_GRACE_S = 1.0
+#: The fewest local ranks :func:`max_local_ranks` allows, whatever the core count.
+MIN_RANK_CAP = 64
+
+
+def max_local_ranks() -> int:
+    """The most ranks one pool forks: 8 per CPU core, at least :data:`MIN_RANK_CAP`.
+
+    Oversubscribing a laptop to test 8- or 16-rank logic is normal; a typo such
+    as ``world_size=100000`` would fork until the machine swaps to a halt.
+
+    Example:
+        >>> max_local_ranks() >= MIN_RANK_CAP
+        True
+    """
+    return max(MIN_RANK_CAP, 8 * (os.cpu_count() or 1))
 
 
 class RankPool:
@@ -59,6 +74,14 @@ class RankPool:
     def __init__(self, world_size: int, first: Task | None = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be a positive int, e.g. 2.")
+        most = max_local_ranks()
+        if world_size > most:
+            raise ValueError(
+                f"world_size={world_size} local ranks is more than this machine can hold: each "
+                f"rank is a process with its own copy of torch, and ddpctx starts at most {most} "
+                f"here (8 per CPU core, at least {MIN_RANK_CAP}). Pass world_size<={most}, or "
+                "start a job that large with torchrun across nodes."
+            )
         refuse_inherited_group()
         if "fork" not in multiprocessing.get_all_start_methods():
             raise RuntimeError(
