@@ -625,6 +625,36 @@ def test_a_pytest_timeout_hit_shows_the_ranks_stacks(pytester: pytest.Pytester) 
     result.stdout.no_fnmatch_line("*from pytest-timeout*")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["--timeout=4", "marker"])
+def test_a_short_pytest_timeout_still_shows_the_ranks_stacks(
+    pytester: pytest.Pytester, where: str
+) -> None:
+    # Before: with --timeout of 6 s or less, pytest-timeout interrupted the plugin while
+    # it collected the stacks, and the failure showed the plugin's frames, no rank's.
+    pytest.importorskip("pytest_timeout")
+    marker = "@pytest.mark.timeout(4)" if where == "marker" else ""
+    result = run(
+        pytester,
+        f"""
+        import time, pytest
+
+        {marker}
+        @pytest.mark.distributed(world_size=2, timeout=60)
+        def test_sleeps(dist_ctx):
+            time.sleep(60)
+
+        {marker}
+        def test_uses_the_fixture(run_distributed):
+            run_distributed(time.sleep, 60)
+        """,
+        *(["--timeout=4"] if where != "marker" else []),
+    )
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*did not finish within 4 s*", "*--- rank 0 ---*"] * 2)
+    result.stdout.no_fnmatch_line("*from pytest-timeout*")
+
+
 def test_the_readme_states_the_default_marker_timeout_and_what_travels() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme[readme.index("pytest plugin") :]

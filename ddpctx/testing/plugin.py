@@ -252,7 +252,7 @@ def run_distributed(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
         from ddpctx.launching.failures import RankError, RemoteTraceback
 
         try:
-            return pools.run(world_size, fn, args, kwargs, timeout)[0]
+            return pools.run(world_size, fn, args, kwargs, _rank_timeout(request.node, timeout))[0]
         except RankError as error:
             if error.original is not None:
                 error.original.__cause__ = RemoteTraceback(error.remote_traceback)
@@ -267,10 +267,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def _rank_timeout(item: pytest.Item, timeout: float) -> float:
-    """The marker's timeout, shortened to fire before pytest-timeout's for the same test.
+    """The ranks' timeout: the marker's (or the call's), or pytest-timeout's if shorter.
 
-    pytest-timeout would interrupt this process and show the plugin's frames;
-    ending first gives the report with every rank's stack.
+    pytest-timeout's own timer for the test is moved back by
+    :data:`REPORT_GRACE_S` (:func:`pytest_timeout_set_timer`), so the ranks
+    stop at the shorter limit and the report with every rank's stack comes
+    first; pytest-timeout stays the backstop.
     """
     marker = item.get_closest_marker("timeout")
     outer: Any = None
@@ -289,7 +291,34 @@ def _rank_timeout(item: pytest.Item, timeout: float) -> float:
         return timeout
     if outer <= 0:
         return timeout
-    return float(min(timeout, outer - min(10.0, outer * 0.5)))
+    return float(min(timeout, outer))
+
+
+#: Seconds pytest-timeout's timer is moved back for a test that starts ranks:
+#: time to collect every rank's stack and stop them, under load too.
+REPORT_GRACE_S = 15.0
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's hook: for a test that starts ranks, its timer fires later.
+
+    It fires :data:`REPORT_GRACE_S` later, while the ranks stop at the shorter
+    limit (:func:`_rank_timeout`). Without it a short ``--timeout`` (6 s or
+    less) interrupted this process while the ranks' stacks were being
+    collected, and the failure showed the plugin's frames instead of the ranks'.
+    """
+    uses_ranks = item.get_closest_marker(MARKER) is not None or "run_distributed" in getattr(
+        item, "fixturenames", ()
+    )
+    timeout_plugin = item.config.pluginmanager.getplugin("timeout")
+    default = getattr(timeout_plugin, "pytest_timeout_set_timer", None)
+    if not uses_ranks or default is None or not hasattr(settings, "_replace"):
+        return None
+    result: bool | None = default(
+        item=item, settings=settings._replace(timeout=settings.timeout + REPORT_GRACE_S)
+    )
+    return result
 
 
 @pytest.hookimpl(tryfirst=True)
