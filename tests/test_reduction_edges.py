@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -180,3 +181,50 @@ def test_a_leaf_that_fails_to_convert_on_one_rank_is_an_error_on_every_rank(
     else:
         assert "rank 0" in str(raised.value)
     assert dist_ctx.all_reduce(math.pi, op="max") == math.pi
+
+
+# 5. Containers of another type on one rank --------------------------------------------------
+
+CONTAINERS: dict[str, Any] = {
+    "list": list,
+    "tuple": tuple,
+    "OrderedDict": lambda items: OrderedDict(enumerate(items)),
+    "dict": lambda items: dict(enumerate(items)),
+    "Pair": lambda items: Pair(*items),
+}
+
+
+class Pair(NamedTuple):
+    first: float
+    second: float
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+@pytest.mark.parametrize(
+    ("mine", "theirs"),
+    [("list", "tuple"), ("tuple", "Pair"), ("dict", "OrderedDict"), ("list", "Pair")],
+)
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_a_container_of_another_type_on_one_rank_is_an_error_on_every_rank(
+    dist_ctx: DistContext, mine: str, theirs: str, where: str
+) -> None:
+    # Before: rank 0 returned [1.0, 2.0] and rank 1 (1.0, 2.0); each got its own type back.
+    def result(kind: str, step: float) -> Any:
+        inner = CONTAINERS[kind]([1.0 * step, 2.0 * step])
+        return inner if where == "top" else {"loss": step, "parts": inner}
+
+    @all_reduced(op="sum")
+    def evaluate(step: float) -> Any:
+        return result(mine, step)
+
+    evaluate(1.0)  # the call site agrees on a structure first: the fast path's side too
+    assert evaluate(2.0) == result(mine, 4.0)
+
+    @all_reduced(op="sum")
+    def disagree() -> Any:
+        return result(mine if dist_ctx.rank == 0 else theirs, 1.0)
+
+    with pytest.raises(ReductionError, match=r"container:") as raised:
+        disagree()
+    assert "rank 1" in str(raised.value)
+    assert dist_ctx.all_reduce([1.0], op="sum") == [2.0]  # still in step

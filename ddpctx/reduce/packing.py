@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf, describe, flatten
+from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf, containers, describe, flatten
 from ddpctx.reduce.wire import Slot, Wire
 
 #: The reductions: "mean" and "sum" share the summed wire; the others use torch's ops.
@@ -187,7 +187,7 @@ class Plan:
         weights: list[int | None] = [None] * len(leaves)
         if weight is not None:
             weights = _weights(leaves, ops, weight)
-        lines = [f"weight={weight!r}", *describe(leaves, ops)]
+        lines = [f"weight={weight!r}", *containers(obj), *describe(leaves, ops)]
         wires = _layout(leaves, ops, weights, world)
         targets = [_target(leaf, o) for leaf, o in zip(leaves, ops, strict=True)]
         for wire in wires:

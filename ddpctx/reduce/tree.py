@@ -12,9 +12,10 @@ list / tuple / namedtuple nesting them. Two walks:
   puts new leaf values back into the same structure. A non-numeric leaf is a
   ``TypeError`` naming its key path.
 
-:func:`describe` gives a canonical, process-independent description of the
-structure (paths, kinds, dtypes, shapes, but not devices: ranks hold their
-tensors on different GPUs), used to check that every rank sent the same thing.
+:func:`describe` and :func:`containers` give a canonical, process-independent
+description of the structure (paths, kinds, dtypes, shapes, container types,
+but not devices: ranks hold their tensors on different GPUs), used to check
+that every rank sent the same thing.
 
 Example:
     >>> leaves, values, rebuild = flatten({"loss": 0.5, "acc": [1, 2]})
@@ -190,6 +191,41 @@ class _Refill:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def containers(obj: Any) -> list[str]:
+    """One line per container: its path and type.
+
+    Leaf paths alone read the same for a list and a tuple (``[0]``), or a dict
+    and an OrderedDict; ranks returning those would each get their own
+    container back. Run after :func:`flatten`, which refuses a result that
+    contains itself.
+
+    Example:
+        >>> containers({"a": [1.0], "b": (2.0,)})
+        ['<result> container:dict', "['a'] container:list", "['b'] container:tuple"]
+    """
+    lines: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            lines.append(f"{path or '<result>'} container:{_type_name(node)}")
+            for key, child in node.items():
+                walk(child, f"{path}[{key!r}]")
+        elif isinstance(node, (list, tuple)):
+            lines.append(f"{path or '<result>'} container:{_type_name(node)}")
+            for index, child in enumerate(node):
+                walk(child, f"{path}[{index}]")
+
+    walk(obj, "")
+    return lines
+
+
+def _type_name(node: Any) -> str:
+    kind = type(node)
+    return (
+        kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    )
 
 
 def describe(leaves: Sequence[Leaf], ops: Sequence[str]) -> list[str]:
