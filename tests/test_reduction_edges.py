@@ -228,3 +228,30 @@ def test_a_container_of_another_type_on_one_rank_is_an_error_on_every_rank(
         disagree()
     assert "rank 1" in str(raised.value)
     assert dist_ctx.all_reduce([1.0], op="sum") == [2.0]  # still in step
+
+
+# 6. Booleans count as Python and NumPy count them -------------------------------------------
+
+
+@pytest.mark.distributed(world_size=3, timeout=60)
+def test_booleans_sum_to_counts_and_keep_bool_under_max_min_prod(dist_ctx: DistContext) -> None:
+    flags = [[True, False, True], [True, True, False], [False, False, True]]
+    mine = flags[dist_ctx.rank]
+    every = np.array(flags)
+    tensor = torch.tensor(mine)
+    summed = dist_ctx.all_reduce(tensor, op="sum")
+    assert summed.dtype == torch.int64
+    assert summed.tolist() == every.sum(axis=0).tolist()
+    array = dist_ctx.all_reduce(np.array(mine), op="sum")
+    assert array.dtype == np.int64
+    assert array.tolist() == every.sum(axis=0).tolist()
+    assert dist_ctx.all_reduce(mine[0], op="sum") == sum(row[0] for row in flags)
+    for op, expected in (("max", every.any(axis=0)), ("min", every.all(axis=0))):
+        result = dist_ctx.all_reduce(tensor, op=op)
+        assert result.dtype == torch.bool
+        assert result.tolist() == expected.tolist()
+    product = dist_ctx.all_reduce(tensor, op="prod")
+    assert product.dtype == torch.bool
+    assert product.tolist() == every.all(axis=0).tolist()
+    mean = dist_ctx.all_reduce(tensor, op="mean")
+    assert mean.tolist() == pytest.approx(every.mean(axis=0).tolist())
