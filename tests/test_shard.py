@@ -115,6 +115,36 @@ def test_clip_grad_norm_equals_the_unsharded_norm_and_clips_the_same(
             torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("norm_type", [float("inf"), 1.0, 2.0])
+@RANKS
+def test_clip_grad_norm_counts_a_rank_whose_shard_is_empty(
+    dist_ctx: DistContext, norm_type: float
+) -> None:
+    # Before: norm_type=inf raised "_foreach_norm cannot compute the infinity norm on an
+    # empty tensor" on the rank holding no row of a 1-output layer.
+    def model() -> nn.Sequential:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(5))
+    sharded = dist_ctx.shard(model(), blocks=[nn.Linear])
+    mine = slice(
+        dist_ctx.rank * 12 // dist_ctx.world_size, (dist_ctx.rank + 1) * 12 // dist_ctx.world_size
+    )
+    sharded(x[mine]).pow(2).sum().mul(dist_ctx.world_size / 12).backward()
+    norm = dist_ctx.clip_grad_norm_(sharded, 1e-3, norm_type=norm_type)
+    reference = model()
+    reference(x).pow(2).sum().div(12).backward()
+    grads = [p.grad.double() for p in reference.parameters()]  # type: ignore[union-attr]
+    expected = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]), norm_type))
+    assert norm == pytest.approx(expected, rel=1e-5)
+    assert dist_ctx.all_gather(norm) == [norm] * dist_ctx.world_size
+    clipped = torch.cat([p.grad.full_tensor().flatten() for p in sharded.parameters()])  # type: ignore[union-attr]
+    assert float(torch.linalg.vector_norm(clipped.double(), norm_type)) == pytest.approx(
+        1e-3, rel=1e-3
+    )
+
+
 @RANKS
 def test_clip_grad_norm_of_a_ddp_model_equals_the_unsharded_norm(dist_ctx: DistContext) -> None:
     model = dist_ctx.wrap(tiny_model())

@@ -21,7 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -38,9 +41,44 @@ def clip_grad_norm(
             f"max_norm={max_norm!r} must be a non-negative number (the largest total gradient "
             "norm to allow), e.g. max_norm=1.0."
         )
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if math.isinf(norm_type) and norm_type > 0 and any(isinstance(g, DTensor) for g in grads):
+        return _clip_by_largest(grads, float(max_norm), error_if_nonfinite)
     total = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
     )
     if isinstance(total, DTensor):
         total = total.full_tensor()
     return float(total)
+
+
+def _clip_by_largest(grads: list[torch.Tensor], max_norm: float, error_if_nonfinite: bool) -> float:
+    """The infinity norm of sharded gradients, where a rank's shard may be empty.
+
+    torch's own computation takes the largest element of every local shard,
+    and a shard with no elements (a 1-row layer split over 2 ranks) has none:
+    it raises. Here an empty shard counts as 0, and the largest element is
+    agreed over every dimension of each gradient's mesh (a maximum taken
+    twice is the same maximum, so replicated dimensions do no harm).
+    """
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    peak = torch.zeros((), dtype=torch.float32, device=local[0].device)
+    for tensor in local:
+        if tensor.numel():
+            peak = torch.maximum(peak, tensor.detach().abs().max().to(peak.dtype))
+    meshes = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, DTensor)}
+    for mesh in meshes.values():
+        for dim in range(mesh.ndim):
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    total = float(peak)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order inf of the gradients is {total}, so they cannot be "
+            "clipped. Pass error_if_nonfinite=False to clip anyway, or find the inf/NaN "
+            "gradient (e.g. torch.autograd.set_detect_anomaly(True))."
+        )
+    scale = min(1.0, max_norm / (total + 1e-6))
+    if scale < 1.0:
+        for tensor in local:
+            tensor.mul_(scale)
+    return total
