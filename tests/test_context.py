@@ -167,7 +167,8 @@ def test_wrap_gives_a_working_ddp_model_and_unwrap_the_module() -> None:
 def test_print_runs_on_rank_zero(capsys: pytest.CaptureFixture[str]) -> None:
     with distributed() as ctx:
         ctx.print("loss", 0.5)
-    assert capsys.readouterr().out == "loss 0.5\n"
+        ctx.print("a", "b", sep="-", end="!\n", flush=True)  # print's keywords (flush raised)
+    assert capsys.readouterr().out == "loss 0.5\na-b!\n"
 
 
 def test_barrier_returns_with_one_rank() -> None:

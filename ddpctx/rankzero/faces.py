@@ -96,9 +96,17 @@ class RankZeroFaces:
         return bar_on_main(iterable, self.is_main, tqdm_kwargs)
 
     def print(
-        self, *values: object, sep: str = " ", end: str = "\n", file: IO[str] | None = None
+        self,
+        *values: object,
+        sep: str = " ",
+        end: str = "\n",
+        file: IO[str] | None = None,
+        flush: bool = True,
     ) -> None:
-        """``print`` on rank 0 only (flushed, so it interleaves sanely with other output).
+        """``print`` on rank 0 only, with ``print``'s keywords.
+
+        Always flushed (``flush`` is accepted, as ``print`` takes it), so it
+        interleaves sanely with the other ranks' output.
 
         >>> from ddpctx import distributed
         >>> with distributed() as ctx:
