@@ -276,6 +276,55 @@ def test_a_sharded_model_refuses_a_single_file_checkpoint_naming_the_fix(
         dist_ctx.load_checkpoint(tmp_path, model=model)
 
 
+@pytest.mark.distributed(world_size=2, timeout=90)
+def test_a_run_that_switches_between_sharded_and_ddp_numbers_one_sequence_and_never_goes_back(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    # Before: the DDP save after a sharded one was numbered 000001 again, and a sharded
+    # model then loaded the older sharded checkpoint (epoch 0) without a word.
+    dist_ctx.save_checkpoint(
+        tmp_path, model=dist_ctx.shard(tiny_model(), blocks=[nn.Linear]), epoch=0
+    )
+    dist_ctx.save_checkpoint(tmp_path, model=dist_ctx.wrap(tiny_model(1)), epoch=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-000001-epoch0.dcp",
+        "checkpoint-000002-epoch1.pt",
+    ]
+    with pytest.raises(
+        Exception, match=r"checkpoint-000002-epoch1\.pt, is a single-file"
+    ) as raised:
+        dist_ctx.load_checkpoint(tmp_path, model=dist_ctx.shard(tiny_model(), blocks=[nn.Linear]))
+    assert "move the newer files away" in str(raised.value)
+    ddp = dist_ctx.wrap(tiny_model())
+    assert dist_ctx.load_checkpoint(tmp_path, model=ddp) == {"epoch": 1}
+    assert_same_state(ddp.module.state_dict(), tiny_model(1).state_dict())
+    dist_ctx.save_checkpoint(
+        tmp_path, model=dist_ctx.shard(tiny_model(), blocks=[nn.Linear]), epoch=2
+    )
+    assert (tmp_path / "checkpoint-000003-epoch2.dcp").is_dir()
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.distributed(world_size=2, timeout=90)
+def test_load_checkpoint_given_a_checkpoint_file_is_an_error_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path, shard: bool
+) -> None:
+    # Before: it returned None, as for an empty directory, and the run started over.
+    model = (
+        dist_ctx.shard(tiny_model(), blocks=[nn.Linear]) if shard else dist_ctx.wrap(tiny_model())
+    )
+    saved = dist_ctx.save_checkpoint(tmp_path, model=model, epoch=3)
+    for given in (saved, tmp_path / "notes.txt"):
+        if dist_ctx.rank == 0:
+            (tmp_path / "notes.txt").write_text("x")
+        dist_ctx.barrier()
+        with pytest.raises(
+            Exception, match=r"that is (a file|one sharded checkpoint), and load_checkpoint takes"
+        ):
+            dist_ctx.load_checkpoint(given, model=model)
+    assert dist_ctx.load_checkpoint(tmp_path, model=model) == {"epoch": 3}
+
+
 def die_mid_write(folder: str) -> None:
     """Save once; then rank 1 writes half a shard of the second save and is SIGKILLed."""
     ctx = context()

@@ -110,22 +110,65 @@ def checkpoint_paths(directory: Path) -> list[Path]:
     return [path for _, _, path in sorted(numbered, reverse=True)]
 
 
-def next_checkpoint_path(directory: Path, epoch: object = None, step: int | None = None) -> Path:
-    """The next checkpoint's name: one past the highest number, labelled with epoch and step.
+#: Any checkpoint's name, a file (``.pt``) or a sharded directory (``.dcp``): one sequence.
+ANY_NAME = re.compile(r"^checkpoint-(\d{6,})")
 
-    >>> import tempfile
-    >>> next_checkpoint_path(Path(tempfile.mkdtemp()), epoch=3, step=120).name
-    'checkpoint-000001-epoch3-step120.pt'
+
+def highest_number(directory: Path) -> int:
+    """The highest number of any checkpoint in ``directory``, file or sharded; 0 when none."""
+    if not directory.is_dir():
+        return 0
+    return max(
+        (
+            int(match.group(1))
+            for path in directory.iterdir()
+            if (match := ANY_NAME.match(path.name))
+        ),
+        default=0,
+    )
+
+
+def next_name(directory: Path, epoch: object, step: int | None, suffix: str) -> Path:
+    """The next checkpoint's path: one past the highest number, labelled with epoch and step.
+
+    Files and sharded directories share one sequence, so a run that switches
+    between DDP and sharding never reuses a number.
     """
-    existing = checkpoint_paths(directory)
-    newest = _NAME.match(existing[0].name) if existing else None
-    number = int(newest.group(1)) + 1 if newest else 1
     label = ""
     if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
         label += f"-epoch{epoch}"
     if step is not None:
         label += f"-step{step}"
-    return directory / f"checkpoint-{number:06d}{label}.pt"
+    return directory / f"checkpoint-{highest_number(directory) + 1:06d}{label}{suffix}"
+
+
+def next_checkpoint_path(directory: Path, epoch: object = None, step: int | None = None) -> Path:
+    """The next single-file checkpoint's name (:func:`next_name`).
+
+    >>> import tempfile
+    >>> next_checkpoint_path(Path(tempfile.mkdtemp()), epoch=3, step=120).name
+    'checkpoint-000001-epoch3-step120.pt'
+    """
+    return next_name(directory, epoch, step, ".pt")
+
+
+def refuse_a_file(directory: Path) -> None:
+    """A checkpoint (file or sharded directory) given where its directory belongs is an error.
+
+    Not "no checkpoint": that would start the run over without a word.
+    """
+    if directory.exists() and not directory.is_dir():
+        what = "a file"
+    elif directory.suffix == ".dcp" and ANY_NAME.match(directory.name) and directory.is_dir():
+        what = "one sharded checkpoint"
+    else:
+        return
+    raise NotADirectoryError(
+        f"load_checkpoint({str(directory)!r}): that is {what}, and load_checkpoint takes the "
+        f"directory given to save_checkpoint -- here {str(directory.parent)!r} -- and "
+        "restores the newest checkpoint in it. Pass the directory (to resume from an older "
+        "checkpoint, move the newer ones out of it)."
+    )
 
 
 class RefusedCheckpoint(RuntimeError):
@@ -167,6 +210,7 @@ def newest_checkpoint(directory: Path) -> Path | None:
     Torn files are skipped with a warning; a refused file is an error; when
     checkpoints exist and none of them loads, that is an error.
     """
+    refuse_a_file(directory)
     paths = checkpoint_paths(directory)
     for path in paths:
         if probe(path) is not None:
@@ -218,7 +262,7 @@ def check_single_writer(directory: Path, last_seen: str | None) -> None:
     if last_seen is None:
         return
     newest = checkpoint_paths(directory)[:1]
-    if newest and newest[0].name != last_seen and _number(newest[0]) > _number(Path(last_seen)):
+    if newest and newest[0].name != last_seen and number_of(newest[0]) > number_of(Path(last_seen)):
         raise RuntimeError(
             f"{str(directory)!r} holds {newest[0].name!r}, which this run did not write: its "
             f"newest save or load was {last_seen!r}. Another job is writing checkpoints to the "
@@ -227,8 +271,9 @@ def check_single_writer(directory: Path, last_seen: str | None) -> None:
         )
 
 
-def _number(path: Path) -> int:
-    match = _NAME.match(path.name)
+def number_of(path: Path) -> int:
+    """A checkpoint's number (file or sharded directory); -1 for any other name."""
+    match = ANY_NAME.match(path.name)
     return int(match.group(1)) if match else -1
 
 

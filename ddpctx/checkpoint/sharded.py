@@ -52,13 +52,13 @@ from ddpctx.checkpoint.files import (
     check_world_size,
     checkpoint_paths,
     load_file,
+    number_of,
     probe,
 )
 from ddpctx.checkpoint.meta import plain_meta
 from ddpctx.checkpoint.resume import Gather, _check_extra, derived_seed
 from ddpctx.checkpoint.schedules import check_scheduler
 from ddpctx.checkpoint.shardfiles import (
-    ANY_NAME,
     STATE_FILE,
     checkpoint_dirs,
     newest_checkpoint_dir,
@@ -90,10 +90,7 @@ def reads_sharded(place: Place, directory: Path, model: nn.Module) -> bool:
 
     def newest_is_sharded() -> bool:
         dirs, files = checkpoint_dirs(directory), checkpoint_paths(directory)
-        number = [
-            int(m.group(1)) if (m := ANY_NAME.match(p[0].name)) else -1 for p in (dirs, files) if p
-        ]
-        return bool(dirs) and (not files or number[0] > number[1])
+        return bool(dirs) and (not files or number_of(dirs[0]) > number_of(files[0]))
 
     return bool(on_rank_zero(place, newest_is_sharded, broadcast=True)[1])
 

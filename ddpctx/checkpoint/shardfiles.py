@@ -18,12 +18,18 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ddpctx.checkpoint.files import RefusedCheckpoint, checkpoint_paths, probe
+from ddpctx.checkpoint.files import (
+    RefusedCheckpoint,
+    checkpoint_paths,
+    next_name,
+    number_of,
+    probe,
+    refuse_a_file,
+)
 from ddpctx.utils.atomic import is_abandoned
 
 STATE_FILE = "ddpctx.pt"
 _NAME = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.dcp$")
-ANY_NAME = re.compile(r"^checkpoint-(\d{6,})")
 
 
 def checkpoint_dirs(directory: Path) -> list[Path]:
@@ -45,17 +51,7 @@ def next_checkpoint_dir(directory: Path, epoch: object = None, step: int | None 
     >>> next_checkpoint_dir(Path(tempfile.mkdtemp()), epoch=2, step=40).name
     'checkpoint-000001-epoch2-step40.dcp'
     """
-    numbers = [
-        int(match.group(1))
-        for path in [*checkpoint_paths(directory), *checkpoint_dirs(directory)]
-        if (match := ANY_NAME.match(path.name))
-    ]
-    label = ""
-    if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
-        label += f"-epoch{epoch}"
-    if step is not None:
-        label += f"-step{step}"
-    return directory / f"checkpoint-{max(numbers, default=0) + 1:06d}{label}.dcp"
+    return next_name(directory, epoch, step, ".dcp")
 
 
 def complete(path: Path) -> bool:
@@ -73,10 +69,24 @@ def complete(path: Path) -> bool:
 
 
 def newest_checkpoint_dir(directory: Path) -> Path | None:
-    """The newest complete sharded checkpoint; None when there is no checkpoint at all."""
+    """The newest complete sharded checkpoint; None when there is no checkpoint at all.
+
+    A single-file checkpoint newer than it (the run went on unsharded) is an
+    error: loading the older sharded one would silently go back in time.
+    """
+    refuse_a_file(directory)
     found = checkpoint_dirs(directory)
     for path in found:
         if complete(path):
+            newer = [f for f in checkpoint_paths(directory) if number_of(f) > number_of(path)]
+            if newer:
+                raise RefusedCheckpoint(
+                    f"{str(directory)!r}: the newest checkpoint, {newer[0].name}, is a "
+                    f"single-file checkpoint written from an unsharded model, newer than the "
+                    f"newest sharded one ({path.name}), and this model is sharded. Load it into "
+                    "the unsharded model (then ctx.shard it and save again), or move the newer "
+                    "files away to resume from the sharded checkpoint."
+                )
             return path
     if found:
         raise RuntimeError(
