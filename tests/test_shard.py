@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.utils.data import TensorDataset
 
 from ddpctx import DistContext, distributed
 
@@ -202,11 +203,36 @@ def test_bf16_mixed_trains_on_cpu_computing_in_bf16_with_float32_weights(how: st
         assert losses[-1] == pytest.approx(expected.item(), rel=0.03), losses
 
 
-def test_bf16_true_keeps_the_weights_in_bf16() -> None:
-    with distributed(precision="bf16-true") as ctx:
-        model = ctx.wrap(tiny_model())
+@pytest.mark.distributed(world_size=2, timeout=90, init=False)
+@pytest.mark.parametrize("how", ["wrap", "shard"])
+def test_bf16_true_trains_on_float32_batches_with_bf16_weights(how: str) -> None:
+    # Before: float32 batches from ctx.dataloader met bf16 weights: "mat1 and mat2 must
+    # have the same dtype" -- the README's "one precision= switch" example crashed.
+    data = TensorDataset(*global_batches(1, batch=64)[0])
+    with distributed(seed=0, precision="bf16-true") as ctx:
+        model = ctx.wrap(tiny_model()) if how == "wrap" else ctx.shard(tiny_model())
+        seen = compute_dtypes(model)
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-        assert model(torch.ones(2, 6, dtype=torch.bfloat16)).dtype == torch.bfloat16
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+        losses = []
+        train = ctx.dataloader(data, batch_size=16, shuffle=True)
+        for _ in ctx.epochs(8):
+            total = 0.0
+            for x, y in train:
+                assert x.dtype == torch.float32  # batches stay as the dataset made them
+                output = model(x)
+                loss = nn.functional.mse_loss(output, y)
+                ctx.scaler.scale(loss).backward()
+                ctx.scaler.unscale_(optimizer)
+                ctx.clip_grad_norm_(model, 1.0)
+                ctx.scaler.step(optimizer)
+                ctx.scaler.update()
+                optimizer.zero_grad()
+                total += loss.item()
+            losses.append(ctx.all_reduce(total))
+        assert set(seen) == {torch.bfloat16}
+        assert output.dtype == torch.float32
+        assert losses[-1] < 0.9 * losses[0], losses  # epoch totals fall
 
 
 def test_float16_on_cpu_is_refused_with_the_fix() -> None:

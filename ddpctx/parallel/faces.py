@@ -111,7 +111,7 @@ class ModelFaces:
             # only the root casts its output to float32: blocks hand bf16 on to the next block
             block_kwargs["mp_policy"] = dataclasses.replace(policy, output_dtype=None)
         model = self._precision.prepare(model.to(self.device))
-        return shard_model(
+        sharded = shard_model(
             model,
             self.mesh,
             blocks=blocks,
@@ -119,6 +119,7 @@ class ModelFaces:
             block_kwargs=block_kwargs,
             **fsdp_kwargs,
         )
+        return self._precision.wrap_forward(sharded, sharded=True)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for the run's mixed precision (a no-op block otherwise).

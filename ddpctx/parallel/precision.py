@@ -11,8 +11,9 @@
 ``"bf16-true"``    weights and compute in bfloat16              weights and compute in bfloat16
 =================  ==========================================  ==================================
 
-Outputs of a mixed-precision forward are float32, so a loss computed from
-them is float32 in every mode but ``"bf16-true"``. ``ctx.scaler`` is a
+Under ``"bf16-true"`` floating inputs are cast to bfloat16 on their way into
+the model (batches from any loader stay as they are). Outputs are float32 in
+every mode, so a loss computed from them is float32 too. ``ctx.scaler`` is a
 ``GradScaler`` that is enabled only under ``"16-mixed"`` (a pass-through
 otherwise), so ``ctx.scaler.scale(loss).backward(); ctx.scaler.step(opt);
 ctx.scaler.update()`` is correct code in every mode. float16 without CUDA is
@@ -89,10 +90,16 @@ class Precision:
         """Cast the weights for ``"bf16-true"``; leave them float32 otherwise."""
         return model.to(torch.bfloat16) if self.name == "bf16-true" else model
 
-    def wrap_forward(self, model: nn.Module) -> nn.Module:
-        """Run ``model``'s forward under autocast with float32 outputs (mixed precisions only)."""
-        if self.mixed:
-            model.forward = _autocast_forward(model, self)
+    def wrap_forward(self, model: nn.Module, sharded: bool = False) -> nn.Module:
+        """Give ``model``'s forward the run's precision, with float32 outputs.
+
+        Mixed precisions run the forward under autocast (for a sharded model
+        FSDP2's policy does that instead); ``"bf16-true"`` casts floating
+        inputs to bfloat16, as the weights are, so float32 batches from any
+        loader work. Under ``"32"`` the model is left alone.
+        """
+        if self.name == "bf16-true" or (self.mixed and not sharded):
+            model.forward = _precision_forward(model, self)
         return model
 
 
@@ -102,15 +109,25 @@ def _to_float32(value: Any) -> Any:
     return value
 
 
-def _autocast_forward(model: nn.Module, precision: Precision) -> Callable[..., Any]:
+def _to_bfloat16(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(torch.bfloat16)
+    return value
+
+
+def _precision_forward(model: nn.Module, precision: Precision) -> Callable[..., Any]:
+    cast_inputs = precision.name == "bf16-true"
+
     # The class's forward, looked up per call: a forward patched on the class later still counts.
     @functools.wraps(type(model).forward)
-    def mixed_forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if cast_inputs:
+            args, kwargs = tree_map(_to_bfloat16, (args, kwargs))
         with precision.autocast():
             output = type(model).forward(model, *args, **kwargs)
         return tree_map(_to_float32, output)
 
-    return mixed_forward
+    return forward
 
 
 def resolve_precision(value: object, device: torch.device) -> Precision:
