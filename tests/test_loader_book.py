@@ -217,3 +217,24 @@ def test_the_search_finds_torch_generators_in_collate_functions_and_skips_global
         ("collate_fn.__self__.generator", "torch.Generator")
     ]
     assert private_generators(Numbers(3), "dataset") == []
+
+
+def test_the_search_finds_what_a_lambda_or_nested_function_closes_over() -> None:
+    # Before: a collate lambda closing over a random.Random got no warning.
+    rng = random.Random(0)
+    assert private_generators(lambda batch: rng.shuffle(batch) or batch, "collate_fn") == [
+        ("collate_fn.<closure rng>", "random.Random")
+    ]
+
+    def augment(x: Any, noise: Any = np.random.default_rng(1)) -> Any:  # noqa: B008 (the case)
+        return x
+
+    class Augmented(Numbers):
+        transform = None
+
+    dataset = Augmented(3)
+    dataset.transform = augment  # type: ignore[assignment]
+    assert private_generators(dataset, "dataset") == [
+        ("dataset.transform.__defaults__[0]", "numpy.random.Generator")
+    ]
+    assert private_generators(lambda batch: random.shuffle(batch), "collate_fn") == []

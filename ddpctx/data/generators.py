@@ -29,8 +29,9 @@ meant to stay fixed can be silenced with
 ``warnings.filterwarnings("ignore", category=PrivateGeneratorWarning)``.
 
 The search follows attributes, list/tuple/dict items, ``Subset.dataset``,
-``ConcatDataset.datasets``, ``functools.partial`` arguments and bound
-methods' ``__self__``, a few levels deep; it never calls user code.
+``ConcatDataset.datasets``, ``functools.partial`` arguments, bound methods'
+``__self__``, and what a function or lambda closes over or takes as a
+default (not its globals), a few levels deep; it never calls user code.
 
 Example:
     >>> import random
@@ -43,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import types
@@ -76,7 +78,7 @@ _GENERATORS: tuple[tuple[type, str, str], ...] = (
 )
 
 _LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Tensor, np.ndarray)
-_SKIPPED = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+_SKIPPED = (types.ModuleType, type, types.BuiltinFunctionType)
 
 
 class PrivateGeneratorWarning(UserWarning):
@@ -105,6 +107,13 @@ def _children(item: object) -> list[tuple[str, object]]:
         return found + [(f".keywords[{key!r}]", child) for key, child in item.keywords.items()]
     if isinstance(item, types.MethodType):
         return [(".__self__", item.__self__)]
+    if isinstance(item, types.FunctionType):  # what a lambda or nested function closes over
+        found = []
+        for variable, cell in zip(item.__code__.co_freevars, item.__closure__ or (), strict=False):
+            with contextlib.suppress(ValueError):  # a cell not filled yet
+                found.append((f".<closure {variable}>", cell.cell_contents))
+        defaults = item.__defaults__ or ()
+        return found + [(f".__defaults__[{index}]", child) for index, child in enumerate(defaults)]
     attributes = getattr(item, "__dict__", None)
     if isinstance(attributes, dict):
         return [(f".{name}", child) for name, child in list(attributes.items())[:_MAX_ITEMS]]
