@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be at least 1")
-    from ddpctx.launching.pool import max_local_ranks
+    from ddpctx.launching.preflight import max_local_ranks
 
     if "RANK" not in os.environ and args.world_size > max_local_ranks():
         parser.error(

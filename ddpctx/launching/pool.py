@@ -32,6 +32,7 @@ from ddpctx.launching.failures import (
     summary,
     worker_frames,
 )
+from ddpctx.launching.preflight import check_before_forking
 from ddpctx.launching.worker import Outcome, Task, read_from, worker_main
 from ddpctx.utils.env import check_timeout
 
@@ -41,21 +42,6 @@ FOLLOW_ON_GRACE_S = 1.0
 STACK_DUMP_WAIT_S = 1.0
 #: Seconds a rank that is stopped gets, after SIGTERM, to run its ``finally`` blocks.
 FINALLY_GRACE_S = 1.0
-#: The fewest local ranks :func:`max_local_ranks` allows, whatever the core count.
-MIN_RANK_CAP = 64
-
-
-def max_local_ranks() -> int:
-    """The most ranks one pool forks: 8 per CPU core, at least :data:`MIN_RANK_CAP`.
-
-    Oversubscribing a laptop to test 8- or 16-rank logic is normal; a typo such
-    as ``world_size=100000`` would fork until the machine swaps to a halt.
-
-    Example:
-        >>> max_local_ranks() >= MIN_RANK_CAP
-        True
-    """
-    return max(MIN_RANK_CAP, 8 * (os.cpu_count() or 1))
 
 
 class RankPool:
@@ -72,22 +58,7 @@ class RankPool:
     """
 
     def __init__(self, world_size: int, first: Task | None = None) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size={world_size!r} must be a positive int, e.g. 2.")
-        most = max_local_ranks()
-        if world_size > most:
-            raise ValueError(
-                f"world_size={world_size} local ranks is more than this machine can hold: each "
-                f"rank is a process with its own copy of torch, and ddpctx starts at most {most} "
-                f"here (8 per CPU core, at least {MIN_RANK_CAP}). Pass world_size<={most}, or "
-                "start a job that large with torchrun across nodes."
-            )
-        refuse_inherited_group()
-        if "fork" not in multiprocessing.get_all_start_methods():
-            raise RuntimeError(
-                "ddpctx starts ranks by forking, which this platform does not offer "
-                f"({sys.platform}). Use torchrun to start the ranks instead."
-            )
+        check_before_forking(world_size)
         self.world_size = world_size
         self.healthy = True
         self._directory = Path(tempfile.mkdtemp(prefix="ddpctx-ranks-"))  # mode 0700
@@ -355,24 +326,6 @@ class RankPool:
                     shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(self._directory, ignore_errors=True)
         atexit.unregister(self.close)
-
-
-def refuse_inherited_group() -> None:
-    """Refuse to fork ranks from a process that has a process group of its own.
-
-    Forked ranks would inherit the caller's group (and its ``distributed()``
-    context) and block destroying it, or form theirs beside it.
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return
-    raise RuntimeError(
-        f"launch() was called while this process is rank {dist.get_rank()} of a process "
-        f"group of {dist.get_world_size()} (inside `with distributed()`, after setup_ddp() "
-        "or init_process_group()); ranks forked from it would inherit that group. Call "
-        "launch() outside the `with distributed()` block, or after cleanup_ddp() / "
-        "torch.distributed.destroy_process_group()."
-    )
 
 
 #: Seconds between two looks at the ranks' output files when it is streamed.
