@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ddpctx import RankZeroError, distributed, rank_zero_first, rank_zero_only
+from ddpctx import (
+    RankZeroError,
+    ReductionError,
+    all_reduced,
+    distributed,
+    rank_zero_first,
+    rank_zero_only,
+)
 from ddpctx.session.context import DistContext
 from ddpctx.utils.errors import (
     describe,
@@ -90,6 +98,58 @@ def test_a_barrier_function_inside_atomic_dir_keeps_the_ranks_in_step(
             save(tmp)
     assert dist_ctx.broadcast(dist_ctx.rank) == 0
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
+
+
+STOPS = [KeyboardInterrupt(), SystemExit(2)]
+FORMS = ["barrier", "broadcast", "rank_zero_first", "rank_zero", "atomic_dir", "all_reduced"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("stop", STOPS, ids=["KeyboardInterrupt", "SystemExit"])
+@pytest.mark.distributed(world_size=2, timeout=30)
+def test_ctrl_c_or_sys_exit_on_rank_zero_reaches_every_rank_at_once(
+    dist_ctx: DistContext, tmp_path: Path, form: str, stop: BaseException
+) -> None:
+    # Before: rank 0 re-raised but never sent its outcome, so the others waited in the
+    # broadcast -- and took rank 0's next rank-zero message (a "save on Ctrl-C" handler's)
+    # as this one's, or hung until the timeout.
+    def stop_on_zero() -> None:
+        if dist_ctx.rank == 0:
+            raise stop
+
+    def run() -> None:
+        if form in ("barrier", "broadcast"):
+            rank_zero_only(**{form: True})(stop_on_zero)()
+        elif form == "rank_zero_first":
+            with dist_ctx.rank_zero_first():
+                stop_on_zero()
+        elif form == "rank_zero":
+            with dist_ctx.rank_zero():
+                stop_on_zero()
+        elif form == "atomic_dir":
+            with dist_ctx.atomic_dir(tmp_path / "out"):
+                stop_on_zero()
+        else:
+
+            @all_reduced
+            def metrics() -> float:
+                stop_on_zero()
+                return 1.0
+
+            metrics()
+
+    started = time.monotonic()
+    with pytest.raises((type(stop), RankZeroError, ReductionError)) as raised:
+        run()
+    assert time.monotonic() - started < 10
+    if dist_ctx.rank == 0:
+        assert type(raised.value) is type(stop)
+    else:
+        assert type(stop).__name__ in str(raised.value)
+    # the "save on Ctrl-C" handler that follows: every rank in step
+    rank_zero_only(barrier=True)(lambda: (tmp_path / "saved").write_text("x"))()
+    assert dist_ctx.broadcast(dist_ctx.rank) == 0
+    assert (tmp_path / "saved").read_text() == "x"
 
 
 @RANKS

@@ -71,7 +71,7 @@ def rank_zero_block(place: Place, local: bool = False) -> Iterator[bool]:
     try:
         with running_alone("function"):  # nested waits must not wait for the others
             yield True
-    except Exception as error:
+    except BaseException as error:  # Ctrl-C and sys.exit() too: the others must not wait
         share(Outcome.failure(error), place, local)
         raise
     share(Outcome(True), place, local)

@@ -202,8 +202,8 @@ def all_reduced(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 result = func(*args, **kwargs)
-            except Exception as error:
-                if async_op:  # raised at .result(), where the other ranks learn of it
+            except BaseException as error:  # Ctrl-C and sys.exit() too
+                if async_op and isinstance(error, Exception):  # raised at .result()
                     return failed_reduction(error, site)
                 report_failure(error, site)  # the other ranks raise instead of waiting
                 raise

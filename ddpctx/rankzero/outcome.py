@@ -193,7 +193,7 @@ def on_rank_zero(
             value = work()
         if broadcast:
             pickle.dumps(value)  # refused here, so the others learn of it below
-    except Exception as error:
+    except BaseException as error:  # Ctrl-C and sys.exit() too: the others must not wait
         share(Outcome.failure(error), place, local)
         raise
     share(Outcome(True, value if broadcast else None), place, local)
@@ -217,7 +217,7 @@ def zero_first(place: Place, local: bool) -> Iterator[None]:
     try:
         with running_alone("first"):
             yield
-    except Exception as error:
+    except BaseException as error:  # Ctrl-C and sys.exit() too: the others must not wait
         share(Outcome.failure(error), place, local)
         raise
     share(Outcome(True), place, local)

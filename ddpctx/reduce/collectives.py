@@ -380,7 +380,9 @@ def _put_nans(
     reduced[body] = torch.where(held[body] > 0, torch.nan, reduced[body])
 
 
-def _agree(plan: Plan | None, error: Exception | None, site: Site, group: Any, world: int) -> None:
+def _agree(
+    plan: Plan | None, error: BaseException | None, site: Site, group: Any, world: int
+) -> None:
     """The slow path: compare every rank's structure (or error); adopt it or raise everywhere."""
     mine: tuple[Any, ...]
     if error is not None or plan is None:
@@ -422,7 +424,7 @@ def _agree(plan: Plan | None, error: Exception | None, site: Site, group: Any, w
     site.agree(plan, _the_group(group))
 
 
-def report_failure(error: Exception, site: Site, group: Any = None) -> None:
+def report_failure(error: BaseException, site: Site, group: Any = None) -> None:
     """Tell the other ranks, through the reduction they are waiting in, that this rank failed.
 
     Call it where this rank would have called :func:`all_reduce_tree` but
@@ -442,7 +444,7 @@ def failed_reduction(error: Exception, site: Site, group: Any = None) -> Reducti
     return _tell_failure(error, site, group, async_op=True)
 
 
-def _tell_failure(error: Exception, site: Site, group: Any, async_op: bool) -> Reduction[Any]:
+def _tell_failure(error: BaseException, site: Site, group: Any, async_op: bool) -> Reduction[Any]:
     world = group_size(group)
     work: Any = None
     if world > 1:
