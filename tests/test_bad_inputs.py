@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -238,6 +239,22 @@ ROWS = [
         "MASTER_ADDR='127.0.0.1 ' contains whitespace",
         enter(),
         {**TORCHRUN, "MASTER_ADDR": "127.0.0.1 "},
+    ),
+    Row(
+        "torchrun env",
+        "MASTER_ADDR a host name that does not resolve",
+        ValueError,
+        "MASTER_ADDR='no-such-host.invalid' does not resolve on this host",
+        enter(),
+        {**TORCHRUN, "MASTER_ADDR": "no-such-host.invalid"},
+    ),
+    Row(
+        "SLURM env",
+        "MASTER_ADDR a host name that does not resolve (SLURM)",
+        ValueError,
+        "MASTER_ADDR='no-such-host.invalid' does not resolve on this host",
+        enter(),
+        {**SLURM, "MASTER_ADDR": "no-such-host.invalid"},
     ),
     Row(
         "environment",
@@ -643,6 +660,24 @@ def test_bad_input_gets_a_clear_error_quickly(
     with pytest.raises(row.error, match=re.escape(row.says)):
         row.call(tmp_path)
     assert time.monotonic() - started < 1.0
+
+
+def test_a_master_port_in_use_on_rank_zero_is_named_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: torch's "The server socket has failed to listen ... EADDRINUSE", no variable named.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for name, value in {**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"MASTER_PORT={port} is already in use") as raised:
+            distributed(timeout=timedelta(seconds=20)).__enter__()
+        assert time.monotonic() - started < 10
+        assert f"MASTER_PORT to a free port (e.g. {port + 1})" in str(raised.value)
 
 
 def test_there_are_at_least_30_rows() -> None:

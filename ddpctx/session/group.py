@@ -88,13 +88,15 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
             store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not re-declared
             form_group(store, rank=0, world_size=1, **kwargs)
         return
-    if info.launcher in ("torchrun", "launch"):
-        # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
-        store, _, _ = next(
-            rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=timeout)
-        )
-    else:
-        store = host_store(info, timeout)
+    check_resolvable(info.master_addr)
+    with naming_a_busy_port(info):
+        if info.launcher in ("torchrun", "launch"):
+            # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
+            store, _, _ = next(
+                rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=timeout)
+            )
+        else:
+            store = host_store(info, timeout)
     store.set_timeout(timeout)
     local_only = info.launcher != "torchrun" and _is_loopback(info.master_addr or "")
     with loopback_gloo() if local_only else contextlib.nullcontext():
@@ -104,6 +106,48 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
             world_size=info.world_size,
             **kwargs,
         )
+
+
+def check_resolvable(host: str | None) -> None:
+    """A ``MASTER_ADDR`` this host cannot resolve is an error now, not a retry loop to the timeout.
+
+    A temporary DNS failure (``EAI_AGAIN``) is left to torch's retries.
+
+    >>> check_resolvable("no-such-host.invalid")
+    Traceback (most recent call last):
+    ...
+    ValueError: MASTER_ADDR='no-such-host.invalid' does not resolve on this host ...
+    """
+    if not host:
+        return
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        if error.errno == socket.EAI_AGAIN:
+            return
+        raise ValueError(
+            f"MASTER_ADDR={host!r} does not resolve on this host ({error.strerror}), so this "
+            "rank cannot reach rank 0's rendezvous store (torch would retry until the "
+            "timeout). Set MASTER_ADDR to rank 0's host name or IP address as every node "
+            "resolves it (e.g. `hostname -i` on rank 0's node), or 127.0.0.1 on one machine."
+        ) from None
+
+
+@contextlib.contextmanager
+def naming_a_busy_port(info: LaunchInfo) -> Iterator[None]:
+    """Rank 0's store failing to listen on a port in use: an error naming ``MASTER_PORT``."""
+    try:
+        yield
+    except (RuntimeError, OSError) as error:  # torch's DistNetworkError is a RuntimeError
+        text = str(error)
+        if "EADDRINUSE" not in text and "Address already in use" not in text:
+            raise
+        raise RuntimeError(
+            f"MASTER_PORT={info.master_port} is already in use on rank 0's host "
+            f"({info.master_addr}): another job, or an earlier run still exiting, listens "
+            "there, so the rendezvous store cannot. Set MASTER_PORT to a free port (e.g. "
+            f"{(info.master_port or 29500) + 1}), or stop that process."
+        ) from error
 
 
 def host_store(info: LaunchInfo, timeout: timedelta) -> Any:
