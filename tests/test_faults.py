@@ -115,10 +115,14 @@ def worker_rss_mb(pid: int) -> float:
 def test_300_tasks_through_one_pool_leak_no_fds_or_memory() -> None:
     with RankPool(2) as pool:
         for _ in range(Reaper.BACKLOG + 1):  # steady state: the reaper holds BACKLOG old groups
-            first = pool.run(ping)
+            pool.run(ping)
         rss = [worker_rss_mb(pid) for pid in pool.pids()]
-        for _ in range(300):
-            last = pool.run(ping)
+        counts = [pool.run(ping) for _ in range(300)]
         grown = [worker_rss_mb(pid) - before for pid, before in zip(pool.pids(), rss, strict=True)]
-    assert all(a - b <= 3 for a, b in zip(last, first, strict=True)), (first, last)
+    # Up to BACKLOG finished groups (their sockets) wait for the reaper at any moment, so one
+    # count swings by a group or two; a leak shows as a rising ceiling: compare the highest
+    # count of the first 50 tasks with that of the last 50, per rank.
+    for rank in range(2):
+        first, last = (max(c[rank] for c in window) for window in (counts[:50], counts[-50:]))
+        assert last - first <= 2, (rank, first, last)
     assert max(grown) < 50, grown
