@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_torchrun
+from tests.helpers import REPO, run_python, run_torchrun
 from tests.test_hang import HANG_TIMEOUT, line_of, rank_line, report_of
 
 SCRIPT = REPO / "tests" / "scripts" / "hang_fsdp.py"
@@ -49,3 +49,46 @@ def test_a_rank_that_skips_the_forward_pass_leaves_the_others_in_fsdp2_all_gathe
     assert "waiting in FSDP2 all-gather" in rank_line(report, 0)
     assert site("FORWARD") in rank_line(report, 0)
     assert code == 0
+
+
+LAZY_FSDP = """
+import sys
+from torch import nn
+import ddpctx
+from ddpctx import distributed
+
+heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
+with distributed(hang_timeout=30) as ctx:
+    # Before: the hang doctor imported FSDP2 (0.7 s) for every job, sharded or not.
+    assert not [name for name in heavy if name in sys.modules], sys.modules.keys() & set(heavy)
+    if sys.argv[1] == "shard":
+        model = ctx.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)), blocks=[nn.Linear])
+    else:  # FSDP2 by hand, imported inside the block
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)), mesh=ctx.mesh)
+        model(torch.ones(2, 4)).sum().backward()  # its first all-gather hooks the root
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert hasattr(FSDPState._root_pre_forward, "__wrapped__"), "FSDP2's root is not hooked"
+    model(torch.ones(2, 4)).sum().backward()
+assert not hasattr(FSDPState._root_pre_forward, "__wrapped__"), "the hook outlived the block"
+print("LAZY-OK")
+"""
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["shard", pytest.param("by-hand", marks=pytest.mark.slow)],  # by hand: a torchrun job
+)
+def test_fsdp2_is_imported_only_by_sharding_and_its_backward_is_still_tracked(
+    how: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "lazy_fsdp.py"
+    script.write_text("import torch\n" + LAZY_FSDP)
+    if how == "shard":  # one process: ctx.shard hooks FSDP2 itself
+        result = run_python(script, how, timeout=120)
+    else:  # FSDP2 all-gathers only at 2+ ranks
+        result = run_torchrun(script, how, nproc=2, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LAZY-OK" in result.stdout, result.stderr[-3000:]

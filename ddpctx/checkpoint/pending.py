@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
 from ddpctx.checkpoint.sharded import Prepared, abandon, finish, sharded_state
 from ddpctx.utils.identity import Place
@@ -65,6 +64,8 @@ class Pending:
         optimizer: torch.optim.Optimizer | None,
     ) -> Path:
         """Stage this rank's shards and start writing them; the final path (not there yet)."""
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+
         if self.group is None:
             self.group = dist.new_group(backend="gloo")  # every rank: save_checkpoint is collective
         response = async_save(

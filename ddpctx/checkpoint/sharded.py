@@ -40,9 +40,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ddpctx.checkpoint import perrank
 from ddpctx.checkpoint.files import (
@@ -105,7 +102,17 @@ def _refuse_sharded_extra(extra: dict[str, Any]) -> None:
             )
 
 
+def dcp_save(state: dict[str, Any], checkpoint_id: Path) -> Any:
+    """DCP's ``save``, imported when first used (DCP costs about a second of import time)."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    return save(state, checkpoint_id=checkpoint_id)
+
+
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    # DCP is imported by its users only: it costs about a second of import time
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optimizer_state = get_state_dict(model, [] if optimizer is None else [optimizer])
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
@@ -289,6 +296,9 @@ def load(
             "Leave optimizer= out of this load_checkpoint (a fresh optimizer), or resume from a "
             "checkpoint saved with one."
         )
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     shards = sharded_state(model, optimizer)  # this world size's layout; DCP reshards into it
     dcp_load(shards, checkpoint_id=path)
     set_state_dict(

@@ -13,6 +13,11 @@ FSDP2 counts the same way: after a sharded root's forward, ``backward()`` is a w
 its all-gathers/reduce-scatters; its async calls keep raw ``Work`` handles (it checks
 their type). On exit the originals are put back.
 
+FSDP2 is not imported for this (it costs 0.7 s of import time, and most jobs never
+shard): its root is hooked at install when FSDP2 is already loaded, else by
+:func:`hook_fsdp_roots` (``ctx.shard`` calls it), else by the first FSDP2 all-gather
+(FSDP2 imported and used by hand inside the block: tracked from the next forward on).
+
 The wrappers cost one function call and two clock reads per collective. They
 never look at the stack: where a rank waits is read from its live stack by the
 watchdog, only when a report is needed. On NCCL a collective returns before
@@ -29,6 +34,10 @@ bound before the block (``from torch.distributed import all_reduce``) bypass
 the wrappers.
 
 This module knows torch and nothing of :mod:`ddpctx.session.context`.
+
+Why one module (a little over 400 lines): the wrappers, the backward hooks and the
+:class:`Tracker` they write are one protocol -- which wait the main thread is in --
+and the lazy FSDP2 hook has to reach into the same install.
 
 Example:
     >>> tracker = Tracker()
@@ -53,7 +62,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpctx.hang.peers import describe, describe_transfer, group_position
@@ -88,6 +96,7 @@ _LABELS = {
     "all_gather_single": "FSDP2 all-gather (all_gather_single())",
     "reduce_scatter_single": "FSDP2 reduce-scatter (reduce_scatter_single())",
 }
+_FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state"  # FSDP2's per-module state
 #: What a rank inside DDP's ``backward()`` is said to wait in.
 DDP_BACKWARD = "DDP backward (gradient all-reduce)"
 #: What a rank inside a sharded (FSDP2) model's ``backward()`` is said to wait in.
@@ -220,7 +229,7 @@ def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Cal
     originals: dict[tuple[Any, str], Any] = {}
 
     def replace(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
-        originals[(owner, name)] = getattr(owner, name)
+        originals.setdefault((owner, name), getattr(owner, name))  # the first, true original
         setattr(owner, name, wrapper)
 
     for name in TRACKED:
@@ -230,9 +239,30 @@ def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Cal
             replace(dist, name, _collective(tracker, name, original, checked, cuda, main))
     replace(torch.autograd, "backward", _backward(tracker, torch.autograd.backward, cuda, main))
     replace(DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel))
-    replace(FSDPState, "_root_pre_forward", _fsdp_root_pre_forward(tracker, FSDPState))
+
+    def hook_fsdp() -> bool:
+        """Hook FSDP2's root forward once FSDP2 is loaded; True when hooked (now or before)."""
+        if hooked:
+            return True
+        module = sys.modules.get(_FSDP_STATE)
+        if module is None:
+            return False
+        state = module.FSDPState
+        replace(state, "_root_pre_forward", _fsdp_root_pre_forward(tracker, state))
+        hooked.append(state)
+        return True
+
+    hooked: list[type] = []
+    if not hook_fsdp():
+        _FSDP_HOOKS.append(hook_fsdp)
+        for name in _RAW_ASYNC:
+            if hasattr(dist, name):
+                wrapped = getattr(dist, name)
+                replace(dist, name, _hooking_fsdp(wrapped, hook_fsdp))
 
     def undo() -> None:
+        with contextlib.suppress(ValueError):
+            _FSDP_HOOKS.remove(hook_fsdp)
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
 
@@ -330,6 +360,36 @@ class TrackedWork:
         return getattr(self._work, name)
 
 
+#: The FSDP2 hooks of installs made before FSDP2 was loaded (see :func:`hook_fsdp_roots`).
+_FSDP_HOOKS: list[Callable[[], bool]] = []
+
+
+def hook_fsdp_roots() -> None:
+    """FSDP2 has just been loaded (``ctx.shard``): track its roots' backward from now on."""
+    for hook in list(_FSDP_HOOKS):
+        if hook():
+            _FSDP_HOOKS.remove(hook)
+
+
+def _hooking_fsdp(tracked: Callable[..., Any], hook_fsdp: Callable[[], bool]) -> Callable[..., Any]:
+    """An FSDP2 collective that hooks FSDP2's root forward the first time it runs.
+
+    FSDP2 was loaded by hand inside the block: the forward this all-gather belongs to
+    began before the hook (and runs under ``no_grad`` here, so it cannot be told from an
+    evaluation); the backward of every later forward is tracked.
+    """
+    hooked = False
+
+    @functools.wraps(tracked)
+    def first(*args: Any, **kwargs: Any) -> Any:
+        nonlocal hooked
+        if not hooked:
+            hooked = hook_fsdp()
+        return tracked(*args, **kwargs)
+
+    return first
+
+
 def _backward(
     tracker: Tracker, original: Callable[..., Any], cuda: bool, main: int | None
 ) -> Callable[..., Any]:
@@ -361,11 +421,11 @@ def _ddp_forward(tracker: Tracker, ddp: type[DistributedDataParallel]) -> Callab
     return forward
 
 
-def _fsdp_root_pre_forward(tracker: Tracker, state: type[FSDPState]) -> Callable[..., Any]:
+def _fsdp_root_pre_forward(tracker: Tracker, state: type[Any]) -> Callable[..., Any]:
     original: Callable[..., Any] = state._root_pre_forward
 
     @functools.wraps(original)
-    def root_pre_forward(self: FSDPState, *args: Any, **kwargs: Any) -> Any:
+    def root_pre_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if self._is_root and torch.is_grad_enabled():  # looked up per call: any FSDP2 root
             tracker.backward_sync = FSDP_BACKWARD

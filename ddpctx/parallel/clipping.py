@@ -26,7 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from ddpctx.parallel.sharding import dtensor_type
 
 
 def clip_grad_norm(
@@ -42,12 +43,13 @@ def clip_grad_norm(
             "norm to allow), e.g. max_norm=1.0."
         )
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if math.isinf(norm_type) and norm_type > 0 and any(isinstance(g, DTensor) for g in grads):
+    dtensor = dtensor_type()  # the class, or () while none can exist
+    if math.isinf(norm_type) and norm_type > 0 and any(isinstance(g, dtensor) for g in grads):
         return _clip_by_largest(grads, float(max_norm), error_if_nonfinite)
     total = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
     )
-    if isinstance(total, DTensor):
+    if isinstance(total, dtensor):
         total = total.full_tensor()
     return float(total)
 
@@ -61,12 +63,13 @@ def _clip_by_largest(grads: list[torch.Tensor], max_norm: float, error_if_nonfin
     agreed over every dimension of each gradient's mesh (a maximum taken
     twice is the same maximum, so replicated dimensions do no harm).
     """
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    dtensor = dtensor_type()
+    local = [g.to_local() if isinstance(g, dtensor) else g for g in grads]
     peak = torch.zeros((), dtype=torch.float32, device=local[0].device)
     for tensor in local:
         if tensor.numel():
             peak = torch.maximum(peak, tensor.detach().abs().max().to(peak.dtype))
-    meshes = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, DTensor)}
+    meshes = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, dtensor)}
     for mesh in meshes.values():
         for dim in range(mesh.ndim):
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))

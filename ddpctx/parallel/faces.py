@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ class ModelFaces:
     device: torch.device
     _precision: Precision
     _mesh: DeviceMesh | None
+    #: Called after :meth:`shard` (the session's hang doctor hooks FSDP2, now loaded).
+    _after_shard: Callable[[], None] | None = None
     _scaler: torch.amp.GradScaler | None
 
     def wrap(self, model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
@@ -119,6 +122,8 @@ class ModelFaces:
             block_kwargs=block_kwargs,
             **fsdp_kwargs,
         )
+        if self._after_shard is not None:
+            self._after_shard()
         return self._precision.wrap_forward(sharded, sharded=True)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

@@ -34,12 +34,14 @@ import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 PrecisionName = Literal["32", "bf16-mixed", "16-mixed", "bf16-true"]
 PRECISIONS: tuple[str, ...] = ("32", "bf16-mixed", "16-mixed", "bf16-true")
@@ -82,6 +84,8 @@ class Precision:
         """FSDP2's policy: compute in bf16/fp16, reduce gradients and return outputs in float32."""
         if not self.mixed:
             return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # 0.7 s: only when sharding
+
         return MixedPrecisionPolicy(
             param_dtype=self.compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
         )

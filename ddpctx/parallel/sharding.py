@@ -24,16 +24,16 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ddpctx.parallel.wrapping import unwrap_model
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 #: ``blocks=``: module classes to shard one by one, or a ``(name, module) -> bool`` predicate.
 BlockPolicy = Sequence[type[nn.Module]] | type[nn.Module] | Callable[[str, nn.Module], bool]
@@ -48,11 +48,31 @@ def sharding_of(model: nn.Module) -> str | None:
     >>> sharding_of(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
     True
     """
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        return "fsdp1"
-    if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
+    # FSDP and DTensor are imported only by those who use them (0.7 s): a model can hold
+    # neither while their modules are not loaded
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        if any(isinstance(module, fsdp.FullyShardedDataParallel) for module in model.modules()):
+            return "fsdp1"
+        if isinstance(model, fsdp.FSDPModule):
+            return "fsdp2"
+    if any(isinstance(p, dtensor_type()) for p in model.parameters()):
         return "fsdp2"
     return None
+
+
+def dtensor_type() -> Any:
+    """For ``isinstance``: ``DTensor`` once ``torch.distributed.tensor`` is loaded, else ``()``.
+
+    Nothing can be a DTensor before its module is loaded, and ddpctx does not
+    load it for the check (it takes most of a second).
+
+    >>> import torch
+    >>> isinstance(torch.ones(1), dtensor_type())
+    False
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return () if module is None else module.DTensor
 
 
 def _block_test(blocks: BlockPolicy) -> Callable[[str, nn.Module], bool]:
@@ -118,6 +138,8 @@ def shard_model(
             f"min_params={min_params!r} must be a positive int (the parameter count from which "
             "a submodule is sharded on its own)."
         )
+    from torch.distributed.fsdp import fully_shard
+
     if blocks is None:
         chosen = default_blocks(model, min_params)
     else:
@@ -167,6 +189,11 @@ def full_state_dict(model: nn.Module, rank: int) -> dict[str, Any]:
     ['bias', 'weight']
     """
     if sharding_of(model) is not None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return dict(get_model_state_dict(model, options=options))
     if rank != 0:

@@ -46,6 +46,7 @@ import contextlib2
 import torch
 import torch.distributed as dist
 
+from ddpctx.hang.inflight import hook_fsdp_roots
 from ddpctx.hang.watchdog import Doctor, HangSettings, resolve_hang_settings
 from ddpctx.parallel.precision import Precision, PrecisionName, resolve_precision
 from ddpctx.session.distcontext import DistContext
@@ -197,6 +198,7 @@ class DistributedSession:
             context = DistContext(
                 plan.info, plan.backend, plan.device, plan.seed, self.close, plan.precision
             )
+            context._after_shard = hook_fsdp_roots
             occupy(context)
             stack.callback(occupy, None)
             self._context = context
