@@ -1,8 +1,9 @@
 """The hang doctor: real jobs that hang on purpose, under torchrun and launch().
 
 Each job uses a ``hang_timeout`` of a few seconds; a rank that misbehaves
-comes back on its own later, so ``on_hang="report"`` jobs end by themselves
-and every test is bounded in time.
+comes back once the report is published in the job's store (an event, not a
+guessed sleep: quick when the machine is idle, patient when it is busy), so
+``on_hang="report"`` jobs end by themselves and every test is bounded in time.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed import distributed_c10d
 
 import ddpctx
 from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
 from ddpctx.hang.peers import describe
-from ddpctx.hang.report import RankState, format_report
+from ddpctx.hang.report import PREFIX, RankState, format_report
 from ddpctx.hang.watchdog import resolve_hang_settings
 from tests.helpers import REPO, run_torchrun
 
@@ -162,8 +164,9 @@ def test_under_launch_a_rank_that_sleeps_is_named(
 def _sleep_on_rank_1() -> None:
     ctx = ddpctx.current()
     assert ctx is not None
-    if ctx.rank == 1:
-        time.sleep(4 * HANG_TIMEOUT + 2)
+    store, give_up = distributed_c10d._get_default_store(), time.monotonic() + 60
+    while ctx.rank == 1 and not store.check([f"{PREFIX}1/report"]) and time.monotonic() < give_up:
+        time.sleep(0.05)  # back once the report is published
     ctx.barrier()
 
 
@@ -190,7 +193,7 @@ def test_on_hang_raise_ends_the_job_with_the_report_as_root_cause() -> None:
     root_cause = err.split("Root Cause (first observed failure)", 1)[1]
     assert "HangError: ddpctx hang report:" in root_cause
     assert "<- stuck here" in root_cause
-    # The sleeping rank would come back after 4 * hang_timeout + 4 s; the job ended before.
+    # The late rank waits for a key never set; the hang doctor ended the job instead.
     assert "JOB-DONE" not in err
     assert elapsed < 120
 

@@ -1,7 +1,10 @@
 """A rank misbehaves on purpose for the hang doctor: ``hang_case.py CASE SECONDS [ON_HANG]``.
 
-Cases (``SECONDS`` is ``hang_timeout``; a late rank comes back after ``4 * SECONDS + 4`` s,
-so ``on_hang="report"`` jobs end successfully):
+Cases (``SECONDS`` is ``hang_timeout``). A late rank comes back once the hang report is
+published in the job's store -- an event it can observe, so the job is neither slower than it
+needs to be on an idle machine nor too quick for the report on a busy one -- so
+``on_hang="report"`` jobs end successfully (a report that never comes fails the job after
+``GIVE_UP``):
 
 - ``sleep``: rank 1 sleeps outside any collective; the others wait in ``ctx.barrier()``.
 - ``diverge``: rank 0 waits in ``ctx.barrier()``, rank 1 in an ``@all_reduced`` function.
@@ -27,12 +30,41 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from ddpctx import all_reduced, distributed, rank_zero_only
+from ddpctx.hang.report import PREFIX
 
 case, seconds = sys.argv[1], float(sys.argv[2])
 on_hang = sys.argv[3] if len(sys.argv) > 3 else "report"
-late = 4 * seconds + 4
+GIVE_UP_S = 120
+
+
+class Reported(threading.Event):
+    """Set once the first incident's report is published (by rank 0 or a stand-in).
+
+    A thread polls the store: a wait on the store itself would hold its one connection,
+    and this rank's watchdog could not answer. Under ``on_hang="raise"`` it is never set
+    (the hang doctor ends the job). ``reported.wait()`` is a call into the standard
+    library, so a report names the marked line that calls it. :meth:`close` before the
+    store goes: a thread inside a store call when the process exits aborts it (SIGABRT).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.poller = threading.Thread(target=self._poll, daemon=True)
+        if on_hang == "report":
+            self.poller.start()
+
+    def _poll(self) -> None:
+        store = distributed_c10d._get_default_store()
+        while not store.check([f"{PREFIX}1/report"]):
+            time.sleep(0.05)
+        self.set()
+
+    def close(self) -> None:
+        if self.poller.is_alive():
+            self.poller.join(GIVE_UP_S)
 
 
 @all_reduced
@@ -42,14 +74,15 @@ def evaluate() -> float:
 
 @rank_zero_only(barrier=True)
 def write_checkpoint() -> None:
-    time.sleep(late)  # SLOW-WRITE
+    reported.wait(GIVE_UP_S)  # SLOW-WRITE
 
 
 with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
+    reported = Reported()
     ctx.barrier()
     if case == "sleep":
         if ctx.rank == 1:
-            time.sleep(late)  # SLEEP
+            reported.wait(GIVE_UP_S)  # SLEEP
         ctx.barrier()  # BARRIER
     elif case == "diverge":
         if ctx.rank == 1:
@@ -58,25 +91,25 @@ with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
             ctx.barrier()  # DIVERGE-BARRIER
     elif case == "raw":
         if ctx.rank == 0:
-            time.sleep(late)  # RAW-SLEEP
+            reported.wait(GIVE_UP_S)  # RAW-SLEEP
         dist.all_reduce(torch.ones(1))  # RAW
     elif case == "ddp":
         model = ctx.wrap(torch.nn.Linear(4, 1))
         loss = model(torch.ones(2, 4)).sum()
         if ctx.rank == 1:
-            time.sleep(late)  # SKIP
+            reported.wait(GIVE_UP_S)  # SKIP
         loss.backward()  # BACKWARD
     elif case == "slow_save":
         write_checkpoint()  # SAVE
     elif case == "p2p":
         data = torch.zeros(2)
         if ctx.rank == 0:
-            time.sleep(late)  # P2P-SLEEP
+            reported.wait(GIVE_UP_S)  # P2P-SLEEP
             dist.send(data, dst=1)
         elif ctx.rank == 1:
             dist.recv(data, src=0)  # RECV
         else:
-            time.sleep(late)  # BYSTANDER
+            reported.wait(GIVE_UP_S)  # BYSTANDER
         dist.barrier()
     elif case == "gil":
         if ctx.rank == 0:
@@ -91,4 +124,5 @@ with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
             resume = threading.Timer(8 * seconds + 4, os.kill, (pids[0], signal.SIGCONT))
             resume.start()
         dist.barrier()  # STOPPED-BARRIER
+    reported.close()
     ctx.print("JOB-DONE")

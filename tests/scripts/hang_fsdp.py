@@ -2,28 +2,49 @@
 
 Cases: ``backward`` (rank 1 sleeps before ``backward()``; the others wait in FSDP2's
 backward collectives) and ``forward`` (rank 1 sleeps before the forward pass; the others
-wait in its all-gather). Rank 1 comes back after ``4 * SECONDS + 4`` s, so the job ends
-successfully. Lines the tests look for end in a ``# <NAME>`` marker.
+wait in its all-gather). Rank 1 comes back once the hang report is published in the job's
+store (an event, not a guessed sleep), so the job ends successfully. Lines the tests look
+for end in a ``# <NAME>`` marker.
 """
 
 import sys
+import threading
 import time
 
 import torch
 from torch import nn
+from torch.distributed import distributed_c10d
 
 from ddpctx import distributed
+from ddpctx.hang.report import PREFIX
 
 case, seconds = sys.argv[1], float(sys.argv[2])
-late = 4 * seconds + 4
+GIVE_UP_S = 120
+
+
+def when_reported() -> tuple[threading.Event, threading.Thread]:
+    """Set once the first incident's report is published (see hang_case.py's ``Reported``)."""
+    event, store = threading.Event(), distributed_c10d._get_default_store()
+
+    def poll() -> None:
+        while not store.check([f"{PREFIX}1/report"]):
+            time.sleep(0.05)
+        event.set()
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    return event, poller
+
 
 with distributed(hang_timeout=seconds, timeout=120) as ctx:
     model = ctx.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)), blocks=[nn.Linear])
+    reported, poller = when_reported()
     ctx.barrier()
     if case == "forward" and ctx.rank == 1:
-        time.sleep(late)  # SKIP-FORWARD
+        reported.wait(GIVE_UP_S)  # SKIP-FORWARD
     loss = model(torch.ones(2, 4)).sum()  # FORWARD
     if case == "backward" and ctx.rank == 1:
-        time.sleep(late)  # SKIP-BACKWARD
+        reported.wait(GIVE_UP_S)  # SKIP-BACKWARD
     loss.backward()  # BACKWARD
+    poller.join(GIVE_UP_S)  # out of the store before it goes (else SIGABRT at exit)
     ctx.print("JOB-DONE")
