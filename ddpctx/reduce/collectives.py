@@ -21,7 +21,10 @@ So each call site *agrees* on a structure once, then carries one flag element:
 - A :class:`Site` remembers the plan (layout) every rank last agreed on in
   this process group. A rank whose result has that structure packs it and
   sends the first wire (see :mod:`ddpctx.reduce.packing`) with its flag 0: the
-  steady state is the payload plus one element, one collective per wire.
+  steady state is the payload plus one element, one collective per wire. A
+  single floating value summed or multiplied (a loss) carries no flag element:
+  a raised flag is a NaN in the value, and a NaN result -- a raised flag or a
+  NaN in the data -- is resolved on every rank by one more 1-element collective.
 - A rank whose structure differs (or that failed, or a site that never agreed
   in this group) sends a buffer of the *agreed* first wire's layout (a fixed
   1-element buffer at a fresh site) with its flag 1. The flag survives the
@@ -290,7 +293,7 @@ def _send_fast(
 
 def _finish_fast(fast: FastPath, buffer: torch.Tensor, obj: Any, site: Site, group: Any) -> Any:
     numbers = buffer.tolist()  # a few elements: cheaper than reading one of them
-    if not fast.wire.flag_raised(numbers[0]):
+    if not _raised(fast.wire, numbers[0], False, group):
         return fast.unpack(buffer, numbers)
     # Another rank's structure changed, or it failed: the slow path, as in _send.
     world, device = site.transport(group)
@@ -336,12 +339,25 @@ def _send(
 
     def finish() -> Any:
         work.wait()
-        if wire.flag_raised(float(first[0])):
+        if _raised(wire, float(first[0]), agreed is not plan, group):
             _agree(plan, None, site, group, world)
             dist.all_reduce(buffers[0], op=_TORCH_OPS[plan.wires[0].op], group=group)
         return _rest(plan, values, buffers, group, device, world)
 
     return finish
+
+
+def _raised(wire: Wire, reduced: float, mine: bool, group: Any) -> bool:
+    """Whether any rank raised the flag (``mine``: this rank did), from the reduced flag.
+
+    A flag carried as NaN (a single floating value summed: see :mod:`ddpctx.reduce.packing`)
+    is unclear when the result is NaN -- every rank then asks, in one more collective.
+    """
+    if wire.flag_unclear(reduced):
+        ballot = torch.tensor([float(mine)], dtype=torch.float64, device=comm_device(group))
+        dist.all_reduce(ballot, group=group)
+        return float(ballot) > 0.5
+    return wire.flag_raised(reduced)
 
 
 def _wire_of(agreed: Plan | None, plan: Plan) -> Wire:
@@ -460,6 +476,7 @@ def _tell_failure(error: BaseException, site: Site, group: Any, async_op: bool) 
         if work is not None:
             try:
                 work.wait()
+                _raised(wire, float(buffer[0]), True, group)  # a NaN flag: answer the question
                 _agree(None, error, site, group, world)
             except Exception:  # a broken group: nothing more can be told
                 pass

@@ -32,13 +32,20 @@ takes the general path, which raises the protocol's flag when needed: the
 fast path never decides anything the general path would decide otherwise.
 
 Example:
-    >>> plan, _ = Plan.make({"loss": torch.tensor(2.0)}, "mean", None, world=2)
-    >>> fast = FastPath.of(plan, {"loss": torch.tensor(2.0)}, "mean", None, world=2)
-    >>> buffer = fast.pack({"loss": torch.tensor(2.0)})
-    >>> buffer.tolist()
-    [0.0, 2.0]
-    >>> fast.unpack(buffer.mul_(2), buffer.tolist())  # as if two ranks sent 2.0
-    {'loss': tensor(2.)}
+    >>> metrics = {"loss": torch.tensor(2.0), "acc": torch.tensor(0.5)}
+    >>> plan, _ = Plan.make(metrics, "mean", None, world=2)
+    >>> fast = FastPath.of(plan, metrics, "mean", None, world=2)
+    >>> buffer = fast.pack(metrics)
+    >>> buffer.tolist()  # the flag, then the values
+    [0.0, 2.0, 0.5]
+    >>> fast.unpack(buffer.mul_(2), buffer.tolist())  # as if two ranks sent the same
+    {'loss': tensor(2.), 'acc': tensor(0.5000)}
+
+A single value (a loss) carries no flag element: its flag would be a NaN.
+
+    >>> plan, _ = Plan.make(torch.tensor(2.0), "mean", None, world=2)
+    >>> FastPath.of(plan, torch.tensor(2.0), "mean", None, world=2).pack(torch.tensor(2.0))
+    tensor([2.], dtype=torch.float64)
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class FastPath:
         "dtype",
         "dtypes",
         "flag",
+        "flagged",
         "from_numbers",
         "keys",
         "mean",
@@ -105,6 +113,7 @@ class FastPath:
             self.tensors and wire.dtype == torch.float64 and self.target.is_floating_point
         )
         self.shape = (len(plan.leaves),)
+        self.flagged = world > 1 and wire.flag  # a flag element in front (else none, or NaN)
         self.flag = (
             torch.tensor(wire.flag_value(False), dtype=first.native, device=first.device)
             if self.tensors
@@ -163,7 +172,7 @@ class FastPath:
             # map/set run in C: a third of the cost of a Python loop over 32 leaves
             if set(map(type, values)) != _TENSOR or set(map(_dtype, values)) != self.dtypes:
                 return None
-            if self.world > 1:
+            if self.flagged:
                 values.insert(0, self.flag)
             try:
                 stacked = torch.stack(values)
@@ -176,17 +185,14 @@ class FastPath:
             return stacked.to(self.comm, self.wire.dtype) if self.world > 1 else stacked
         if set(map(type, values)) != _FLOAT:
             return None
-        if self.world > 1:
+        if self.flagged:
             values.insert(0, self.flag)
         return torch.tensor(values, dtype=self.wire.dtype, device=self.comm)
-
-    def flag_raised(self, numbers: list[Any]) -> bool:
-        return self.world > 1 and self.wire.flag_raised(numbers[0])
 
     def unpack(self, reduced: torch.Tensor, numbers: list[Any] | None = None) -> Any:
         """The result from the reduced buffer (``numbers``: its ``tolist()``, when read)."""
         world = self.world
-        start = 1 if world > 1 else 0
+        start = 1 if self.flagged else 0
         values: Any
         if self.tensors and numbers is not None and self.from_numbers:
             # float64 sums already read as Python floats: divided there (the same IEEE

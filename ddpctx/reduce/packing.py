@@ -29,7 +29,9 @@ How leaves travel (the *layout*, a function of the structure alone):
   come back NaN: NaN propagates whichever rank holds it.
 
 The first wire also carries the *flag* element of the protocol (one element,
-exact in any dtype: it is 0 or 1 per rank).
+exact in any dtype: it is 0 or 1 per rank) -- except a single floating value
+summed or multiplied at 2+ ranks (a loss), whose flag is a NaN in the value:
+gloo reduces one element in 0.6-0.75x the time of two.
 
 Example:
     >>> plan, values = Plan.make({"loss": 1.5, "count": 2}, "mean", "count", world=2)
@@ -41,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -294,7 +297,30 @@ def _layout(
             start += count * pieces
         nan_marker = wire_op in ("max", "min") and dtype.is_floating_point
         wires.append(Wire(wire_op, dtype, slots, start + nan_marker, flag, nan_marker, bits))
-    return wires
+    return _flag_in_nan(wires, world)
+
+
+def _flag_in_nan(wires: list[Wire], world: int) -> list[Wire]:
+    """One floating value summed or multiplied: its flag rides in the value, as NaN.
+
+    gloo reduces one element in 0.6-0.75x the time of two (a loss logged
+    every step is this case), and a sum or product is NaN on every rank when
+    any rank sent NaN. A NaN result is resolved by one more collective, which
+    only a raised flag or a NaN/inf in the data costs.
+    """
+    if world < 2 or len(wires) != 1:
+        return wires
+    (wire,) = wires
+    if wire.op not in ("sum", "prod") or not wire.dtype.is_floating_point or wire.nan_marker:
+        return wires
+    if len(wire.slots) != 1:
+        return wires
+    (slot,) = wire.slots
+    if slot.count != 1 or slot.pieces != 1 or slot.weight is not None or slot.estimate:
+        return wires
+    alone = dataclasses.replace(slot, start=0)
+    bits = wire.bits_per_piece
+    return [Wire(wire.op, wire.dtype, [alone], 1, False, False, bits, flag_in_nan=True)]
 
 
 def _wire_float(leaf: Leaf) -> torch.dtype:

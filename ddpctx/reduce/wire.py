@@ -77,6 +77,8 @@ class Wire:
     first_pieces: int = 0  # slots from here on are integers in pieces
     int_scalars: str = ""  # those integers: all 0-d tensors (TENSOR), all numbers (PYTHON)
     estimates: list[Slot] = field(default_factory=list)  # read by the plan, not unpacked here
+    # No flag element: a raised flag is a NaN in the one value (see flag_unclear)
+    flag_in_nan: bool = False
     _flags: dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def prepare(self, leaves: Sequence[Leaf], targets: Sequence[Any]) -> None:
@@ -119,15 +121,28 @@ class Wire:
         return float(raised)
 
     def flag_raised(self, reduced: float) -> bool:
+        """Whether a rank raised the flag (for a flag carried as NaN: see :meth:`flag_unclear`)."""
+        if self.flag_in_nan:
+            return False
         if self.op == "min":
             return reduced < -0.5
         if self.op == "prod":
             return reduced > 1.5
         return reduced > 0.5
 
+    def flag_unclear(self, reduced: float) -> bool:
+        """A flag carried as NaN whose reduced value is NaN: raised, or a NaN in the data.
+
+        A sum or product is NaN on every rank when any rank sent one, in any
+        order, so every rank asks the same question (one more collective).
+        """
+        return self.flag_in_nan and reduced != reduced
+
     def empty(self, device: torch.device, raised: bool) -> torch.Tensor:
         """A buffer of this wire's length holding only the flag (a rank that cannot pack)."""
         neutral = 1.0 if self.op == "prod" else 0.0
+        if self.flag_in_nan and raised:
+            neutral = math.nan
         buffer = torch.full((self.length,), neutral, dtype=self.dtype, device=device)
         if self.flag:
             buffer[0] = self.flag_value(raised)
