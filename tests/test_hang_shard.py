@@ -25,6 +25,7 @@ def site(marker: str) -> str:
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.slow  # a torchrun job and a real hang timeout
 def test_a_rank_that_skips_backward_under_shard_is_named_the_others_wait_in_fsdp2(
     nproc: int,
 ) -> None:
@@ -41,6 +42,7 @@ def test_a_rank_that_skips_backward_under_shard_is_named_the_others_wait_in_fsdp
     assert "JOB-DONE" in out
 
 
+@pytest.mark.slow  # a torchrun job and a real hang timeout
 def test_a_rank_that_skips_the_forward_pass_leaves_the_others_in_fsdp2_all_gather() -> None:
     code, _, err = fsdp_case("forward", 2)
     report = report_of(err)
