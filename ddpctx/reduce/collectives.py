@@ -1,6 +1,6 @@
 """Reducing nested metrics in as few collectives as the dtypes allow.
 
-Why one module (under 500 lines): the protocol below -- agree, send,
+Why one module (about 500 lines): the protocol below -- agree, send,
 detect a change, fail on every rank -- is one state machine whose steps
 share the :class:`Site`; split, each half would be unreadable alone. Object
 broadcast and gather live in :mod:`ddpctx.reduce.objects`, the steady

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf, flatten
+from ddpctx.reduce.tree import PYTHON, TENSOR, Leaf, flatten
+from ddpctx.reduce.values import as_int64, as_number, divided, finish, from_numpy, scalar, times
 
 _INT64 = 2**64
 _SIGN_BIT = -(2**63)  # as an int64: XOR with it adds 2**63 modulo 2**64
@@ -163,7 +164,7 @@ class Wire:
             with torch.no_grad():
                 return torch.stack(mine).to(device, self.dtype)
         if self.packing == "numbers":
-            numbers = [_number(values[slot.leaf], self.dtype) for slot in self.slots]
+            numbers = [as_number(values[slot.leaf], self.dtype) for slot in self.slots]
             if self.flag:
                 numbers.insert(0, self.flag_value(False))
             return torch.tensor(numbers, dtype=self.dtype, device=device)
@@ -188,7 +189,7 @@ class Wire:
         for slot in self.slots[: self.first_pieces]:
             value = values[slot.leaf]
             if slot.weight is not None:
-                value = _times(value, values[slot.weight])
+                value = times(value, values[slot.weight])
             if isinstance(value, torch.Tensor):
                 if numbers:
                     parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
@@ -198,9 +199,9 @@ class Wire:
                 if numbers:
                     parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
                     numbers = []
-                parts.append(_from_numpy(value).reshape(-1).to(device, self.dtype))
+                parts.append(from_numpy(value).reshape(-1).to(device, self.dtype))
             else:
-                numbers.append(_number(value, self.dtype))
+                numbers.append(as_number(value, self.dtype))
         if numbers:
             parts.append(torch.tensor(numbers, dtype=self.dtype, device=device))
         if self.first_pieces < len(self.slots):
@@ -223,8 +224,8 @@ class Wire:
         if self.int_scalars == TENSOR:
             return torch.stack(mine).to(device, torch.int64)
         if self.int_scalars:
-            return torch.tensor([_number(v, torch.int64) for v in mine], device=device)
-        return torch.cat([_as_int64(value, device) for value in mine])
+            return torch.tensor([as_number(v, torch.int64) for v in mine], device=device)
+        return torch.cat([as_int64(value, device) for value in mine])
 
     def _cut(self, ints: torch.Tensor) -> torch.Tensor:
         """An int64 vector as exact non-negative pieces, ``pieces`` per value.
@@ -296,8 +297,8 @@ class Wire:
                 if slot.pieces > 1:
                     number = self._joined(numbers[slot.start : slot.start + slot.pieces], world)
                 if slot.mean:
-                    number = _divided(number, world if slot.weight is None else totals[slot.weight])
-                results[slot.leaf] = _scalar(leaf, target, number)
+                    number = divided(number, world if slot.weight is None else totals[slot.weight])
+                results[slot.leaf] = scalar(leaf, target, number)
             return
         joined = self._join(reduced, world) if self.first_pieces < len(self.slots) else None
         for slot, leaf, target in zip(self.slots, self.leaves, self.targets, strict=True):
@@ -307,15 +308,15 @@ class Wire:
                 pieces = reduced[slot.start : slot.start + slot.pieces].tolist()
                 number = self._joined(pieces, world)
                 if slot.mean:
-                    number = _divided(number, world if slot.weight is None else totals[slot.weight])
-                results[slot.leaf] = _scalar(leaf, target, number)
+                    number = divided(number, world if slot.weight is None else totals[slot.weight])
+                results[slot.leaf] = scalar(leaf, target, number)
                 continue
             value = self.values(reduced, slot, world, joined)
             if slot.mean:  # the buffer (or the joined pieces) is ours: divide in place
                 if not value.is_floating_point():
                     value = value.to(torch.float64)
                 value = value.div_(world if slot.weight is None else totals[slot.weight])
-            results[slot.leaf] = _finish(leaf, target, value)
+            results[slot.leaf] = finish(leaf, target, value)
 
     def _joined(self, pieces: Sequence[float], world: int) -> int:
         """The exact sum of a value cut into pieces on every rank (see :meth:`_cut`)."""
@@ -329,85 +330,3 @@ class Wire:
                 self._joined(reduced[slot.start : slot.start + slot.pieces].tolist(), world)
             )
         return float(reduced[slot.start])
-
-
-def _times(value: Any, weight: Any) -> Any:
-    """``value * weight`` formed in float64 (floats and ints alike)."""
-    factor = float(weight)
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64) * factor
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.astype(np.float64) * factor)
-    return float(value) * factor
-
-
-def _from_numpy(array: np.ndarray[Any, Any]) -> torch.Tensor:
-    if array.dtype.kind == "b":
-        array = array.astype(np.int64)
-    return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def _as_int64(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().reshape(-1).to(device, torch.int64)
-    if isinstance(value, np.ndarray):
-        return _from_numpy(value).reshape(-1).to(device, torch.int64)
-    return torch.tensor([_number(value, torch.int64)], dtype=torch.int64, device=device)
-
-
-def _number(value: Any, dtype: torch.dtype) -> Any:
-    if dtype.is_floating_point:
-        return float(value)
-    number = int(value)
-    if not -(2**63) <= number < 2**63:
-        raise OverflowError(
-            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
-            "float (float(x)) or split it."
-        )
-    return number
-
-
-def _finish(leaf: Leaf, target: Any, value: torch.Tensor) -> Any:
-    """A reduced flat tensor as the leaf's own kind: tensor, array, NumPy or Python number."""
-    if leaf.kind == TENSOR:
-        shaped = value.reshape(leaf.shape)
-        if not target.is_floating_point and shaped.is_floating_point():
-            shaped = shaped.round()
-        return shaped.to(leaf.device, target)
-    host = value.cpu()
-    if leaf.kind == NUMPY:
-        array = host.numpy().reshape(leaf.shape)
-        if target.kind in "biu" and array.dtype.kind == "f":
-            array = np.rint(array) if np.isfinite(array).all() else array
-        cast = array.astype(target) if target.kind != "b" else array != 0
-        return cast[()] if not leaf.shape else cast
-    number = host.item()
-    if target is float:
-        return float(number)
-    if target is bool:
-        return bool(number)
-    return int(number)
-
-
-def _scalar(leaf: Leaf, target: Any, number: Any) -> Any:
-    """A reduced Python number as a Python or NumPy scalar of the leaf's result type."""
-    if leaf.kind == PYTHON:
-        if target is float:
-            return float(number)
-        if target is bool:
-            return bool(number)
-        return int(number)
-    kind = target.kind
-    if kind == "b":
-        return np.bool_(number != 0)
-    if kind in "iu":  # wrapped as NumPy's arithmetic in that dtype wraps
-        wrapped = (int(number) + 2**63) % _INT64 - 2**63
-        return np.array(wrapped, dtype=np.int64).astype(target)[()]
-    return target.type(number)
-
-
-def _divided(number: float, divisor: float) -> float:
-    """``number / divisor`` as a float division in torch would give it: 0/0 is NaN."""
-    if divisor:
-        return number / divisor
-    return math.nan if number == 0 or math.isnan(number) else math.copysign(math.inf, number)

@@ -1,0 +1,104 @@
+"""One leaf's values on their way onto a wire and back: conversions, no layout.
+
+:mod:`ddpctx.reduce.wire` decides where each value goes; these turn a leaf's
+value into wire numbers (floats, exact int64) and a reduced number or tensor
+back into the leaf's own kind (tensor, NumPy or Python scalar, array).
+
+Example:
+    >>> as_number(3, torch.float64), divided(0.0, 0)
+    (3.0, nan)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddpctx.reduce.tree import NUMPY, PYTHON, TENSOR, Leaf
+
+_INT64 = 2**64
+
+
+def times(value: Any, weight: Any) -> Any:
+    """``value * weight`` formed in float64 (floats and ints alike)."""
+    factor = float(weight)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64) * factor
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.astype(np.float64) * factor)
+    return float(value) * factor
+
+
+def from_numpy(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    if array.dtype.kind == "b":
+        array = array.astype(np.int64)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def as_int64(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(-1).to(device, torch.int64)
+    if isinstance(value, np.ndarray):
+        return from_numpy(value).reshape(-1).to(device, torch.int64)
+    return torch.tensor([as_number(value, torch.int64)], dtype=torch.int64, device=device)
+
+
+def as_number(value: Any, dtype: torch.dtype) -> Any:
+    if dtype.is_floating_point:
+        return float(value)
+    number = int(value)
+    if not -(2**63) <= number < 2**63:
+        raise OverflowError(
+            f"{number} does not fit in int64, which integers travel as. Reduce it as a "
+            "float (float(x)) or split it."
+        )
+    return number
+
+
+def finish(leaf: Leaf, target: Any, value: torch.Tensor) -> Any:
+    """A reduced flat tensor as the leaf's own kind: tensor, array, NumPy or Python number."""
+    if leaf.kind == TENSOR:
+        shaped = value.reshape(leaf.shape)
+        if not target.is_floating_point and shaped.is_floating_point():
+            shaped = shaped.round()
+        return shaped.to(leaf.device, target)
+    host = value.cpu()
+    if leaf.kind == NUMPY:
+        array = host.numpy().reshape(leaf.shape)
+        if target.kind in "biu" and array.dtype.kind == "f":
+            array = np.rint(array) if np.isfinite(array).all() else array
+        cast = array.astype(target) if target.kind != "b" else array != 0
+        return cast[()] if not leaf.shape else cast
+    number = host.item()
+    if target is float:
+        return float(number)
+    if target is bool:
+        return bool(number)
+    return int(number)
+
+
+def scalar(leaf: Leaf, target: Any, number: Any) -> Any:
+    """A reduced Python number as a Python or NumPy scalar of the leaf's result type."""
+    if leaf.kind == PYTHON:
+        if target is float:
+            return float(number)
+        if target is bool:
+            return bool(number)
+        return int(number)
+    kind = target.kind
+    if kind == "b":
+        return np.bool_(number != 0)
+    if kind in "iu":  # wrapped as NumPy's arithmetic in that dtype wraps
+        wrapped = (int(number) + 2**63) % _INT64 - 2**63
+        return np.array(wrapped, dtype=np.int64).astype(target)[()]
+    return target.type(number)
+
+
+def divided(number: float, divisor: float) -> float:
+    """``number / divisor`` as a float division in torch would give it: 0/0 is NaN."""
+    if divisor:
+        return number / divisor
+    return math.nan if number == 0 or math.isnan(number) else math.copysign(math.inf, number)
