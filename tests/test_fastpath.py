@@ -403,3 +403,29 @@ def test_one_value_travels_alone_and_its_flag_as_nan(
     assert value_of(handle.result()) != value_of(handle.result())
     handle = all_reduce_tree(make(3.0), op, site=site, async_op=True)
     assert value_of(handle.result()) == reference([3.0] * n)
+
+
+@RANKS
+def test_a_rank_out_of_step_at_a_new_site_meets_a_steady_one_value_site_with_an_error(
+    dist_ctx: DistContext,
+) -> None:
+    # Found by attacking the merged engine: rank `last` ran out of data a step early and
+    # reduced an end-of-epoch sum at a new call site while the others logged their loss;
+    # the others read its flag (1.0) as part of the loss sum and went on: loss=5.5.
+    last = dist_ctx.world_size - 1
+
+    @ddpctx.all_reduced
+    def train_loss(value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    for _ in range(3):
+        train_loss(torch.tensor(10.0 * (dist_ctx.rank + 1)))
+    if dist_ctx.rank == last:
+        error = error_everywhere(
+            lambda: dist_ctx.all_reduce(torch.tensor(7.0), op="sum"), ReductionError
+        )
+    else:
+        error = error_everywhere(lambda: train_loss(torch.tensor(1.0)), ReductionError)
+    assert "ranks returned different structures" in str(error)
+    assert "mean" in str(error)
+    assert "sum" in str(error)

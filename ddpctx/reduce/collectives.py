@@ -92,8 +92,10 @@ _TORCH_OPS = {
     "min": dist.ReduceOp.MIN,
     "prod": dist.ReduceOp.PRODUCT,
 }
-#: The first wire of a site that has not agreed on a layout in this group yet.
-_FRESH = Wire("sum", torch.float64, [], 1, True, False, 0)
+#: The first wire of a site that has not agreed on a layout in this group yet: its raised
+#: flag is a NaN, so a rank at a steady one-value site it meets (ranks out of step)
+#: takes the slow path too, instead of reading a flag of 1.0 as part of a sum.
+_FRESH = Wire("sum", torch.float64, [], 1, False, False, 0, flag_in_nan=True)
 #: Structures a call site remembers before it starts over.
 _PLANS_PER_SITE = 16
 
