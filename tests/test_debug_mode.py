@@ -281,3 +281,52 @@ def test_a_collective_on_a_group_a_rank_is_not_in_is_not_counted_there(
     run_distributed: Any, debug_mode: None
 ) -> None:
     assert run_distributed(everyone_calls_the_one_rank_group) == [1.0, 1.0]
+
+
+@ddpctx.all_reduced
+def train_loss(value: float) -> float:
+    return value
+
+
+@ddpctx.all_reduced
+def val_acc(value: float) -> float:
+    return value
+
+
+def swapped_reductions() -> list[float]:
+    """Rank 1 evaluates before it logs its loss at step 2: two sites in swapped order."""
+    ctx = ddpctx.current()
+    assert ctx is not None
+    seen = []
+    for step in range(3):
+        if ctx.rank == 1 and step == 2:
+            seen += [val_acc(90.0), train_loss(0.5)]
+        else:
+            seen += [train_loss(0.5), val_acc(90.0)]
+    return seen
+
+
+def test_two_all_reduced_functions_in_swapped_order_are_named_under_debug_mode(
+    run_distributed: Any, debug_mode: None
+) -> None:
+    # Found by attacking the merged engine: both ranks got loss=45.25 and acc=45.25, also
+    # under DDPCTX_DEBUG=collectives (to torch both are one all_reduce of one element).
+    with pytest.raises(RankError) as caught:
+        run_distributed(swapped_reductions, world_size=2)
+    message = str(caught.value.original)
+    assert isinstance(caught.value.original, HangError), message
+    assert "all_reduce in all_reduced(tests.test_debug_mode.train_loss)" in message
+    assert "all_reduce in all_reduced(tests.test_debug_mode.val_acc)" in message
+
+
+def test_the_same_all_reduced_function_on_two_lines_is_one_collective_under_debug_mode(
+    run_distributed: Any, debug_mode: None
+) -> None:
+    def branches() -> float:
+        ctx = ddpctx.current()
+        assert ctx is not None
+        if ctx.rank == 0:
+            return train_loss(1.0)
+        return train_loss(3.0)
+
+    assert run_distributed(branches, world_size=2) == [2.0, 2.0]

@@ -16,6 +16,11 @@ group, each rank's operation and its ``file:line``. A correct program -- the
 same collectives in the same order on every member of each group -- never
 raises.
 
+Collectives issued for an ``@all_reduced`` function are labelled with it (see
+:mod:`ddpctx.utils.issuing`): two such functions called in swapped order on two
+ranks are two different collectives, not one ``all_reduce`` that would mix
+their values.
+
 What it cannot see at once: a rank that skips a collective whose successor on
 that group is the same operation (the numbers still pair up), or ranks waiting
 in collectives of *different* groups (each check waits on its own group).
@@ -45,6 +50,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ddpctx.hang.inflight import HangError, user_site
 from ddpctx.hang.peers import ranks_text
+from ddpctx.utils.issuing import ISSUING
 
 
 class Lockstep:
@@ -63,6 +69,8 @@ class Lockstep:
         sequence = self.sequences[group] = self.sequences.get(group, 0) + 1
         if size == 1:
             return
+        if ISSUING[0] is not None:  # two @all_reduced functions are two collectives
+            op = f"{op} in {ISSUING[0]}"
         device = _comm_device(group)
         mine = torch.tensor([sequence, zlib.crc32(op.encode())], dtype=torch.int64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(size)]

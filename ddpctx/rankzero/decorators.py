@@ -196,7 +196,8 @@ def all_reduced(
         raise ValueError(f"weight={weight!r} must be the name of a leaf, e.g. weight='count'.")
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
-        site = Site(f"all_reduced({func.__module__}.{func.__qualname__})")
+        name = f"all_reduced({func.__module__}.{func.__qualname__})"
+        site = Site(name, label=name)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

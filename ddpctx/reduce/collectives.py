@@ -83,6 +83,7 @@ from ddpctx.reduce.fastpath import FastPath
 from ddpctx.reduce.packing import OPS, OpSpec, Plan, plan_key
 from ddpctx.reduce.tree import signature
 from ddpctx.reduce.wire import Wire
+from ddpctx.utils.issuing import ISSUING
 
 T = TypeVar("T")
 
@@ -120,6 +121,7 @@ class Site:
     agreed: Plan | None = None
     group: Callable[[], Any] | None = None  # weak reference to the group of `agreed`
     fast: FastPath | None = None  # the steady state of `agreed`, where it has one
+    label: str | None = None  # debug mode tells ranks at different labelled sites apart
 
     _transport: tuple[Any, int, torch.device] | None = None
 
@@ -225,6 +227,18 @@ def all_reduce_tree(
 
     With ``async_op=True``, a :class:`Reduction` handle instead of the value.
     """
+    if site.label is None:
+        return _all_reduce_tree(obj, op, weight, site, group, async_op)
+    ISSUING[0] = site.label  # debug mode's lockstep check names the site
+    try:
+        return _all_reduce_tree(obj, op, weight, site, group, async_op)
+    finally:
+        ISSUING[0] = None
+
+
+def _all_reduce_tree(
+    obj: Any, op: OpSpec, weight: str | None, site: Site, group: Any, async_op: bool
+) -> Any:
     fast = site.fast
     if (
         fast is not None

@@ -6,6 +6,7 @@
 - :mod:`~ddpctx.utils.errors`: a rank's own failure vs. the errors it causes on others;
   torchrun's error file.
 - :mod:`~ddpctx.utils.identity`: who this process is (the one "current context" slot).
+- :mod:`~ddpctx.utils.issuing`: the ``@all_reduced`` site being reduced (for debug mode).
 
 May import: nothing else of ddpctx.
 """
