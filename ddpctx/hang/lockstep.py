@@ -69,8 +69,9 @@ class Lockstep:
         sequence = self.sequences[group] = self.sequences.get(group, 0) + 1
         if size == 1:
             return
-        if ISSUING[0] is not None:  # two @all_reduced functions are two collectives
-            op = f"{op} in {ISSUING[0]}"
+        label = ISSUING.get()
+        if label is not None:  # two @all_reduced functions are two collectives
+            op = f"{op} in {label}"
         device = _comm_device(group)
         mine = torch.tensor([sequence, zlib.crc32(op.encode())], dtype=torch.int64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(size)]

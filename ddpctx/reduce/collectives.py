@@ -229,11 +229,11 @@ def all_reduce_tree(
     """
     if site.label is None:
         return _all_reduce_tree(obj, op, weight, site, group, async_op)
-    ISSUING[0] = site.label  # debug mode's lockstep check names the site
+    token = ISSUING.set(site.label)  # debug mode's lockstep check names the site
     try:
         return _all_reduce_tree(obj, op, weight, site, group, async_op)
     finally:
-        ISSUING[0] = None
+        ISSUING.reset(token)
 
 
 def _all_reduce_tree(

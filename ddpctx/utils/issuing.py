@@ -7,14 +7,17 @@ apart. Only a decorated function names its site: it is the same function on
 every rank, whatever line calls it, while a ``ctx.all_reduce`` written on two
 lines of a rank-dependent ``if`` is one reduction and must stay one.
 
-One slot, written and read on the main thread (where collectives are checked).
+A context variable, so a reduction on another thread never labels the main
+thread's collectives (only the main thread's are checked).
 
 Example:
-    >>> ISSUING[0] is None
+    >>> ISSUING.get() is None
     True
 """
 
 from __future__ import annotations
 
-#: The ``@all_reduced`` site whose collectives are being issued now, or None.
-ISSUING: list[str | None] = [None]
+from contextvars import ContextVar
+
+#: The ``@all_reduced`` site whose collectives this thread is issuing now, or None.
+ISSUING: ContextVar[str | None] = ContextVar("ddpctx_issuing", default=None)
