@@ -255,6 +255,27 @@ def test_keep_prunes_older_sharded_checkpoints(dist_ctx: DistContext, tmp_path: 
 
 
 @pytest.mark.distributed(world_size=2, timeout=90)
+@pytest.mark.parametrize("how", ["shard", "wrap"])
+def test_a_save_of_the_same_epoch_and_step_replaces_the_older_one(
+    dist_ctx: DistContext, tmp_path: Path, how: str
+) -> None:
+    # Found by attacking the merged whole: sharded directories kept both saves of epoch 0
+    # step 10 and pruned step 5 (the DDP files did it right).
+    if how == "shard":
+        model = dist_ctx.shard(tiny_model(), blocks=[nn.Linear])
+    else:
+        model = dist_ctx.wrap(tiny_model())
+    for step in (5, 10, 10):
+        dist_ctx.save_checkpoint(tmp_path, model=model, step=step, epoch=0, keep=2)
+    dist_ctx.barrier()
+    suffix = ".dcp" if how == "shard" else ".pt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"checkpoint-000001-epoch0-step5{suffix}",
+        f"checkpoint-000003-epoch0-step10{suffix}",
+    ]
+
+
+@pytest.mark.distributed(world_size=2, timeout=90)
 def test_a_sharded_module_in_extra_is_refused_before_anything_is_written(
     dist_ctx: DistContext, tmp_path: Path
 ) -> None:
