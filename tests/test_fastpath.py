@@ -429,3 +429,29 @@ def test_a_rank_out_of_step_at_a_new_site_meets_a_steady_one_value_site_with_an_
     assert "ranks returned different structures" in str(error)
     assert "mean" in str(error)
     assert "sum" in str(error)
+
+
+@ddpctx.all_reduced(op="sum")
+def steady_sum() -> float:
+    return 1.0
+
+
+@ddpctx.all_reduced(op="sum")
+def new_sum() -> float:
+    return 100.0
+
+
+@RANKS
+def test_a_rank_at_a_new_function_meeting_a_steady_one_of_the_same_structure_is_an_error(
+    dist_ctx: DistContext,
+) -> None:
+    # Found by attacking the merged whole: rank 1 called new_sum (never called) while rank 0
+    # called steady_sum, both one float summed: both got 101.0, no error.
+    for _ in range(2):
+        steady_sum()
+    last = dist_ctx.world_size - 1
+    error = error_everywhere(steady_sum if dist_ctx.rank != last else new_sum, ReductionError)
+    assert "ranks are in different @all_reduced functions" in str(error)
+    assert f"rank {last} in all_reduced(tests.test_fastpath.new_sum)" in str(error)
+    assert "rank 0 in all_reduced(tests.test_fastpath.steady_sum)" in str(error)
+    assert steady_sum() == dist_ctx.world_size  # and the steady site goes on

@@ -418,9 +418,9 @@ def _agree(
     """The slow path: compare every rank's structure (or error); adopt it or raise everywhere."""
     mine: tuple[Any, ...]
     if error is not None or plan is None:
-        mine = ("failed", site.name, f"{type(error).__name__}: {error}")
+        mine = ("failed", site.name, f"{type(error).__name__}: {error}", site.label)
     else:
-        mine = ("ok", site.name, plan.lines)
+        mine = ("ok", site.name, plan.lines, site.label)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     failed = [(rank, entry[2]) for rank, entry in enumerate(everyone) if entry[0] == "failed"]
@@ -431,6 +431,13 @@ def _agree(
         raise ReductionError(
             f"rank {failed[0][0]} could not reduce its result, so no rank can ({details}). "
             "Fix the error on that rank."
+        )
+    labels = [entry[3] for entry in everyone]
+    if None not in labels and len(set(labels)) > 1:  # every rank in an @all_reduced function
+        places = "; ".join(f"rank {rank} in {label}" for rank, label in enumerate(labels))
+        raise ReductionError(
+            f"ranks are in different @all_reduced functions ({places}), so their results "
+            "cannot be reduced together. Call them in the same order on every rank."
         )
     reference = everyone[0][2]
     problems = [
