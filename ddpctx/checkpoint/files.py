@@ -225,9 +225,12 @@ def newest_checkpoint(directory: Path) -> Path | None:
     return None
 
 
-def label_of(path: Path) -> str:
-    """The ``-epoch3-step120`` part of a checkpoint's name ('' when it has none)."""
-    match = _NAME.match(path.name)
+def label_of(path: Path, names: re.Pattern[str] = _NAME) -> str:
+    """The ``-epoch3-step120`` part of a checkpoint's name ('' when it has none).
+
+    ``names``: the pattern of its kind of checkpoint (single files by default).
+    """
+    match = names.match(path.name)
     return (match.group(2) or "") if match else ""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from ddpctx.checkpoint.files import (
     RefusedCheckpoint,
     checkpoint_paths,
+    label_of,
     next_name,
     number_of,
     probe,
@@ -105,22 +106,16 @@ def newest_checkpoint_dir(directory: Path) -> Path | None:
     return None
 
 
-def _label_of(path: Path) -> str:
-    """The ``-epoch3-step120`` part of a checkpoint directory's name ('' when it has none)."""
-    match = _NAME.match(path.name)
-    return (match.group(2) or "") if match else ""
-
-
 def prune_dirs(directory: Path, keep: int, newest_good: Path) -> None:
     """Delete directories older than the newest ``keep``, never ``newest_good`` (known to load).
 
     As for single-file checkpoints, older ones labelled with the same epoch and
     step as ``newest_good`` are superseded by it and deleted first.
     """
-    label = _label_of(newest_good)
+    label = label_of(newest_good, _NAME)
     if label:
         for older in checkpoint_dirs(directory):
-            if older != newest_good and _label_of(older) == label:
+            if older != newest_good and label_of(older, _NAME) == label:
                 shutil.rmtree(older, ignore_errors=True)
     for old in checkpoint_dirs(directory)[keep:]:
         if old != newest_good:
