@@ -9,8 +9,11 @@ Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
    Also a float32 tensor with integer counts ("mixed").
 2. Training step: the same small DDP model and data, a hand-written loop vs
    ctx.wrap / ctx.dataloader / @all_reduced per step, synchronous and with
-   async_op=True (each step's loss read one step later); the ddpctx loop also
-   with the hang doctor on (hang_timeout=60) and in debug mode (debug=True).
+   async_op=True (each step's loss read one step later; torch's own async
+   all_reduce as its reference); the ddpctx loop also with the hang doctor on
+   (hang_timeout=60) and in debug mode (debug=True). Each step's parts (next
+   batch, model, metric) are timed too: their medians show what ddpctx adds
+   where the whole step's ratio is within the machine's noise.
    2b: per-call CPU cost in one process, @all_reduced vs torch.stack(...).tolist().
 3. Start-up and teardown: `with distributed()` vs init_process_group +
    destroy_process_group, one process and 2 ranks (under torchrun).
@@ -145,8 +148,22 @@ def reduction_rank(sizes: list[str], rounds: int, calls: int, anchors: bool) -> 
     return samples
 
 
-def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
-    """Seconds per training step: a hand-written DDP loop vs the same loop through ddpctx."""
+PARTS = ("batch", "model", "metric")
+
+
+def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per training step: a hand-written DDP loop vs the same loop through ddpctx.
+
+    The rows take turns in blocks of ``block`` steps (``rounds`` rounds, the
+    order rotating each round). Per row: ``"step"``, the wall time of each
+    block over its steps (with an async row's last result read in it), and the
+    time of each step's parts: ``"batch"`` (the loader's next batch),
+    ``"model"`` (to device, forward, backward, optimizer step) and
+    ``"metric"`` (the loss reduction; for async, issuing it and reading the
+    previous step's result). The parts are short, so their medians hold still
+    where the whole step's moves by +-5% from run to run on 2 cores. A row's
+    hang doctor is on for its blocks only.
+    """
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
@@ -164,14 +181,24 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
 
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     hand_model = DistributedDataParallel(net().to(ctx.device), device_ids=device_ids)
-    hand_sampler = DistributedSampler(data, shuffle=True, seed=0)
-    hand_loader = DataLoader(data, batch_size=64, sampler=hand_sampler)
     ours_model = ctx.wrap(net())
-    ours_loader = ctx.dataloader(data, batch_size=64, shuffle=True)
-    optimizers = {
-        "hand": torch.optim.SGD(hand_model.parameters(), lr=0.01),
-        "ddpctx": torch.optim.SGD(ours_model.parameters(), lr=0.01),
+    optimizers: dict[nn.Module, torch.optim.Optimizer] = {
+        hand_model: torch.optim.SGD(hand_model.parameters(), lr=0.01),
+        ours_model: torch.optim.SGD(ours_model.parameters(), lr=0.01),
     }
+
+    def model_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizers[model].zero_grad()
+        loss.backward()
+        optimizers[model].step()
+        return loss.detach()
+
+    def hand_metric(loss: torch.Tensor) -> None:
+        reduced = loss.clone()
+        dist.all_reduce(reduced)
+        reduced /= dist.get_world_size()
 
     @all_reduced
     def step_loss(loss: torch.Tensor) -> torch.Tensor:
@@ -183,67 +210,78 @@ def training_rank(rounds: int, steps: int) -> dict[str, list[float]]:
 
     pending: list[Any] = []
 
-    def hand_step(x: torch.Tensor, y: torch.Tensor) -> None:
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        loss = nn.functional.mse_loss(hand_model(x), y)
-        optimizers["hand"].zero_grad()
-        loss.backward()
-        optimizers["hand"].step()
-        reduced = loss.detach().clone()
-        dist.all_reduce(reduced)
-        reduced /= dist.get_world_size()
+    def hand_async_metric(loss: torch.Tensor) -> None:
+        reduced = loss.clone()
+        pending.append((dist.all_reduce(reduced, async_op=True), reduced))
+        if len(pending) > 1:  # the previous step's loss, one step later
+            work, previous = pending.pop(0)
+            work.wait()
+            previous /= dist.get_world_size()
 
-    def ours_step(x: torch.Tensor, y: torch.Tensor) -> None:
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        loss = nn.functional.mse_loss(ours_model(x), y)
-        optimizers["ddpctx"].zero_grad()
-        loss.backward()
-        optimizers["ddpctx"].step()
-        step_loss(loss.detach())
-
-    def async_step(x: torch.Tensor, y: torch.Tensor) -> None:
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        loss = nn.functional.mse_loss(ours_model(x), y)
-        optimizers["ddpctx"].zero_grad()
-        loss.backward()
-        optimizers["ddpctx"].step()
-        pending.append(step_loss_async(loss.detach()))
+    def async_metric(loss: torch.Tensor) -> None:
+        pending.append(step_loss_async(loss))
         if len(pending) > 1:  # log the previous step's loss, one step later
             pending.pop(0).result()
 
     # The ranks run with DDPCTX_HANG_TIMEOUT=0; the doctor is started around its rows only.
-    doctors = {
-        "hand-written loop": None,
-        "ddpctx loop": None,
-        "ddpctx loop, async_op": None,
-        "ddpctx loop, hang doctor on": HangSettings(60.0, "report", False),
-        "ddpctx loop, debug=True": HangSettings(0.0, "report", True),
+    rows: dict[str, tuple[nn.Module, Callable[[torch.Tensor], object], HangSettings | None]] = {
+        "hand-written loop": (hand_model, hand_metric, None),
+        "hand-written loop, async_op": (hand_model, hand_async_metric, None),
+        "ddpctx loop": (ours_model, step_loss, None),
+        "ddpctx loop, async_op": (ours_model, async_metric, None),
+        "ddpctx loop, hang doctor on": (ours_model, step_loss, HangSettings(60.0, "report", False)),
+        "ddpctx loop, debug=True": (ours_model, step_loss, HangSettings(0.0, "report", True)),
     }
-    times: dict[str, list[float]] = {name: [] for name in doctors}
-    for round_index in range(rounds):
-        hand_sampler.set_epoch(round_index)
-        epochs = ctx.epochs(round_index + 1, start=round_index)
-        next(epochs)  # set_epoch on ddpctx's loader
-        contenders = list(doctors.items())
-        shift = round_index % len(contenders)  # rotate, so no row always runs first
-        for name, settings in contenders[shift:] + contenders[:shift]:
-            hand = name == "hand-written loop"
-            loader, step = (hand_loader, hand_step) if hand else (ours_loader, ours_step)
-            if name == "ddpctx loop, async_op":
-                step = async_step
-            ctx.barrier()
+    loaders: dict[str, Any] = {name: ctx.dataloader(data, 64, shuffle=True) for name in rows}
+    hand_samplers: dict[str, DistributedSampler[Any]] = {
+        name: DistributedSampler(data, seed=0) for name in rows if "hand" in name
+    }
+    for name, sampler in hand_samplers.items():
+        loaders[name] = DataLoader(data, batch_size=64, sampler=sampler)
+    epoch = -1
+    batches: dict[str, Any] = {}
+    left = 0  # blocks left in this epoch (every loader has the same number of batches)
+    times: dict[str, dict[str, list[float]]] = {
+        name: {part: [] for part in ("step", *PARTS)} for name in rows
+    }
+    names = list(rows)
+    clock = time.perf_counter
+    for round_index in range(rounds + 2):  # two rounds of warm-up
+        if left == 0:
+            epoch += 1
+            for sampler in hand_samplers.values():
+                sampler.set_epoch(epoch)
+            next(ctx.epochs(epoch + 1, start=epoch))  # set_epoch on ddpctx's loaders
+            batches = {name: iter(loader) for name, loader in loaders.items()}
+            left = len(loaders["hand-written loop"]) // block
+        left -= 1
+        shift = round_index % len(names)  # rotate, so no row always runs first
+        for name in names[shift:] + names[:shift]:
+            model, metric, settings = rows[name]
             doctor = None
             if settings is not None:
                 doctor = Doctor(settings, ctx.rank, ctx.world_size, ctx.device.type == "cuda")
-            batches = iter(loader)
-            started = time.perf_counter()
-            for _ in range(steps):
-                step(*next(batches))
-            while pending:
-                pending.pop(0).result()
-            times[name].append((time.perf_counter() - started) / steps)
+            parts: list[tuple[float, float, float]] = []
+            ctx.barrier()
+            started = clock()
+            for _ in range(block):
+                t0 = clock()
+                x, y = next(batches[name])
+                t1 = clock()
+                loss = model_step(model, x, y)
+                t2 = clock()
+                metric(loss)
+                parts.append((t1 - t0, t2 - t1, clock() - t2))
+            for handle in pending:
+                handle[0].wait() if isinstance(handle, tuple) else handle.result()
+            pending.clear()
+            elapsed = clock() - started
             if doctor is not None:
                 doctor.stop()
+            if round_index >= 2:
+                times[name]["step"].append(elapsed / block)
+                for part, values in zip(PARTS, zip(*parts, strict=True), strict=True):
+                    times[name][part] += values
     return times
 
 
@@ -467,7 +505,7 @@ def main() -> None:
         for line in format_reduction(per_size):
             say(line)
     if want("training"):
-        training_section(say, quick, rounds, args.world_size)
+        training_section(say, quick, args.world_size)
     if want("cpu"):
         cpu_section(say, quick)
     if want("startup"):
@@ -497,39 +535,82 @@ def main() -> None:
         print("wrote BENCHMARKS.md and benchmarks/reduction.png")
 
 
-def training_section(say: Callable[[str], None], quick: bool, rounds: int, world: int) -> None:
+def training_section(say: Callable[[str], None], quick: bool, world: int) -> None:
     from ddpctx import launch
 
     say("\n## 2. Training step overhead (median seconds per step)\n")
+    rounds, block = (40, 8) if quick else (150, 8)
     os.environ["DDPCTX_HANG_TIMEOUT"] = "0"  # the doctor is timed on its own rows
     try:
-        training = launch(
-            training_rank, rounds, 20 if quick else 40, world_size=world, timeout=900
-        )[0]
+        training = launch(training_rank, rounds, block, world_size=world, timeout=900)[0]
     finally:
         del os.environ["DDPCTX_HANG_TIMEOUT"]
-    hand = training["hand-written loop"]
-    say("| loop | median per step | / hand-written (paired per round) |\n|---|---:|---:|")
+    for line in format_training(training, rounds, block):
+        say(line)
+
+
+def format_training(
+    training: dict[str, dict[str, list[float]]], rounds: int, block: int
+) -> list[str]:
+    """The section's tables from :func:`training_rank`'s times."""
+    lines: list[str] = []
+    half = slice(None, max(rounds // 2, 1)), slice(rounds // 2, None)
+
+    def ratio(name: str, base: str) -> str:
+        def of(part: slice) -> float:
+            steps, base_steps = training[name]["step"][part], training[base]["step"][part]
+            return float(statistics.median(steps) / statistics.median(base_steps))
+
+        return f"{of(slice(None)):.3f}x ({of(half[0]):.3f}x, {of(half[1]):.3f}x)"
+
+    lines.append(
+        f"{rounds} rounds of {block} steps per row, the rows taking turns block by block. "
+        "Ratios of the median step, in brackets the same ratio in the first and the second "
+        "half of the rounds.\n"
+    )
+    lines.append("| loop | median per step | / hand-written |\n|---|---:|---:|")
     for name, target in (
         ("hand-written loop", ""),
+        ("hand-written loop, async_op", " (torch's own, waited one step later)"),
         ("ddpctx loop", "; target <= 1.03x"),
         ("ddpctx loop, async_op", " (loss read one step later); target <= 1.01x"),
     ):
-        paired = statistics.median(o / h for o, h in zip(training[name], hand, strict=True))
-        say(
-            f"| {name} | {statistics.median(training[name]) * 1e3:.3f} ms | {paired:.3f}x{target} |"
-        )
-    say("\n| ddpctx loop | median per step | paired ratio to hang doctor off |\n|---|---:|---:|")
+        median = statistics.median(training[name]["step"]) * 1e3
+        lines.append(f"| {name} | {median:.3f} ms | {ratio(name, 'hand-written loop')}{target} |")
+    lines.append("\n| ddpctx loop | median per step | / hang doctor off |\n|---|---:|---:|")
     for name in ("ddpctx loop", "ddpctx loop, hang doctor on", "ddpctx loop, debug=True"):
-        ratio = statistics.median(
-            t / off for t, off in zip(training[name], training["ddpctx loop"], strict=True)
-        )
         label = name.removeprefix("ddpctx loop").lstrip(", ") or "hang doctor off"
-        say(f"| {label} | {statistics.median(training[name]) * 1e3:.3f} ms | {ratio:.3f}x |")
-    say(
+        median = statistics.median(training[name]["step"]) * 1e3
+        lines.append(f"| {label} | {median:.3f} ms | {ratio(name, 'ddpctx loop')} |")
+    lines.append(
         "\n(targets: hang doctor <= 1.01x, debug=True <= 1.10x; debug mode adds a tiny all-gather "
-        "per collective)"
+        "per collective)\n"
     )
+    lines.append(
+        "Where a step's time goes: the median of each part over all steps, in µs. *Added* is "
+        "what the row's batch and metric parts cost over those of the row it is compared "
+        "with, as a share of that row's median step (the model part is the same code in "
+        "every row, within noise).\n"
+    )
+    lines.append("| loop | batch | model | metric | added | to |\n|---|---:|---:|---:|---:|---|")
+    references = {
+        "ddpctx loop": "hand-written loop",
+        "ddpctx loop, async_op": "hand-written loop, async_op",
+        "ddpctx loop, hang doctor on": "ddpctx loop",
+        "ddpctx loop, debug=True": "ddpctx loop",
+    }
+    for name, parts in training.items():
+        medians = {part: statistics.median(parts[part]) for part in PARTS}
+        cells = " | ".join(f"{medians[part] * 1e6:.1f}" for part in PARTS)
+        reference = references.get(name)
+        if reference is None:
+            lines.append(f"| {name} | {cells} | | |")
+            continue
+        base = training[reference]
+        added = sum(medians[part] - statistics.median(base[part]) for part in ("batch", "metric"))
+        share = added / statistics.median(base["step"])
+        lines.append(f"| {name} | {cells} | {added * 1e6:+.1f} µs ({share:+.2%}) | {reference} |")
+    return lines
 
 
 def cpu_section(say: Callable[[str], None], quick: bool) -> None:
