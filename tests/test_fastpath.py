@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ddpctx
 from ddpctx import DistContext, HangError, RankError, ReductionError, launch
-from ddpctx.reduce import collectives
+from ddpctx.reduce import collectives, fastpath
 from ddpctx.reduce.collectives import Site, all_reduce_tree
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=120)
@@ -455,3 +455,28 @@ def test_a_rank_at_a_new_function_meeting_a_steady_one_of_the_same_structure_is_
     assert f"rank {last} in all_reduced(tests.test_fastpath.new_sum)" in str(error)
     assert "rank 0 in all_reduced(tests.test_fastpath.steady_sum)" in str(error)
     assert steady_sum() == dist_ctx.world_size  # and the steady site goes on
+
+
+@given(
+    value=st.floats(allow_nan=True, allow_infinity=True, width=64),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+)
+def test_a_single_value_is_rounded_back_exactly_as_torch_tensor_rounds_it(
+    value: float, dtype: torch.dtype
+) -> None:
+    # The single-value read-back builds its 0-d tensor with torch.scalar_tensor, which
+    # refuses a value outside the dtype's range: such a sum must still come back +-inf.
+    got = fastpath._scalar(value, dtype, torch.device("cpu"))
+    expected = torch.tensor(value, dtype=dtype)
+    assert (got.dtype, got.shape) == (expected.dtype, expected.shape)
+    assert torch.equal(got, expected) or (got.isnan().item() and expected.isnan().item())
+
+
+def test_a_float32_sum_past_float32s_range_comes_back_inf_on_every_rank() -> None:
+    def body() -> list[float]:
+        ctx = ddpctx.current()
+        assert ctx is not None
+        big = torch.tensor(3e38, dtype=torch.float32)
+        return [ctx.all_reduce(big, op="sum").item() for _ in range(3)]  # slow, then fast path
+
+    assert launch(body, world_size=2, timeout=60) == [[float("inf")] * 3] * 2

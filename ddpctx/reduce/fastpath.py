@@ -15,9 +15,10 @@ of 0-d tensors of one dtype on one device, one Python float or a flat
   with the protocol's lowered flag in front, converted once to the wire dtype;
 - the read-back starts from the one ``tolist()`` that reads the flag: the
   float64 sums are divided as Python floats (a mean) and rounded once to the
-  leaves' dtype by one ``torch.tensor`` (a loss: 4 us where slicing,
-  dividing, converting and unbinding the buffer took 16 us), then one
-  ``unbind`` -- no other per-leaf work beyond building the dict.
+  leaves' dtype by one ``torch.tensor`` (slicing, dividing, converting and
+  unbinding the buffer took 16 us), then one ``unbind`` -- no other per-leaf
+  work beyond building the dict; a single value (a loss) by one
+  ``torch.scalar_tensor`` (1.7 us, ``torch.tensor`` 3.7 us).
 
 A buffer preallocated per site and filled in place is not cheaper on CPU
 (32 float32 scalars, best of 9 x 1000 calls, 2 loaded cores):
@@ -202,7 +203,7 @@ class FastPath:
             if self.mean and world > 1:
                 values = [number / world for number in values]
             if self.bare:
-                return torch.tensor(values[0], dtype=self.target, device=self.device)
+                return _scalar(values[0], self.target, self.device)
             values = torch.tensor(values, dtype=self.target, device=self.device).unbind(0)
         elif self.tensors:
             body = reduced[start:] if start else reduced
@@ -223,3 +224,17 @@ class FastPath:
         if self.bare:
             return values[0]
         return dict(zip(self.keys, values, strict=True))  # type: ignore[arg-type]
+
+
+def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(value, dtype=dtype, device=device)`` in half the time (1.7 us vs 3.7 us).
+
+    ``torch.scalar_tensor`` rounds as ``torch.tensor`` does (the same on 60,000
+    values, random bit patterns among them, in float16/bfloat16/float32/float64)
+    but refuses a value outside the dtype's range, which ``torch.tensor`` makes
+    an infinity: that rare case takes ``torch.tensor``.
+    """
+    try:
+        return torch.scalar_tensor(value, dtype=dtype, device=device)
+    except RuntimeError:  # overflow: +-inf, as torch.tensor rounds it
+        return torch.tensor(value, dtype=dtype, device=device)
