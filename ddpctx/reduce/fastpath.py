@@ -226,7 +226,7 @@ class FastPath:
         return dict(zip(self.keys, values, strict=True))  # type: ignore[arg-type]
 
 
-def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _scalar(value: float, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
     """``torch.tensor(value, dtype=dtype, device=device)`` in half the time (1.7 us vs 3.7 us).
 
     ``torch.scalar_tensor`` rounds as ``torch.tensor`` does (the same on 60,000
