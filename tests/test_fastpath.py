@@ -207,6 +207,39 @@ def test_leaving_the_steady_state_on_one_rank_is_an_error_on_every_rank(
 
 
 @RANKS
+@pytest.mark.parametrize(
+    ("changed", "says"),
+    [
+        (torch.tensor([1.0]), "tensor:torch.float32[1] mean"),
+        (torch.tensor(1.0, dtype=torch.float64), "tensor:torch.float64[] mean"),
+        (1.0, "python:float"),
+    ],
+    ids=["one-element-1d", "float64", "python-float"],
+)
+def test_a_loss_leaving_the_steady_state_on_one_rank_is_an_error_on_every_rank(
+    dist_ctx: DistContext, changed: Any, says: str
+) -> None:
+    # A steady float32 loss on the CPU is packed from its value alone (no stack): the
+    # checks that stack made (0-d, dtype, tensor) must still send any other result to
+    # the general path, which names the difference on every rank.
+    last = dist_ctx.world_size - 1
+
+    def step(change: bool) -> Any:
+        loss = torch.tensor(float(dist_ctx.rank), requires_grad=True) * 1.0  # graph attached
+        return dist_ctx.all_reduce(changed if change and dist_ctx.rank == last else loss)
+
+    steady(dist_ctx, step)
+    error = error_everywhere(lambda: step(True), ReductionError)
+    assert "ranks returned different structures" in str(error)
+    assert says in str(error)
+    with Counted() as counted:
+        back = step(False)
+    assert back.item() == (dist_ctx.world_size - 1) / 2
+    assert (back.dtype, back.shape, back.requires_grad) == (torch.float32, (), False)
+    assert (counted.reduces, counted.gathers) == (1, 0)
+
+
+@RANKS
 def test_every_rank_switching_together_adopts_the_new_structure(dist_ctx: DistContext) -> None:
     rank, n = dist_ctx.rank, dist_ctx.world_size
 

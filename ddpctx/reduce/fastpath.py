@@ -12,7 +12,8 @@ of 0-d tensors of one dtype on one device, one Python float or a flat
   (it refuses tensors of different shapes or devices) and one look at the
   stacked shape and device;
 - the pack is one ``torch.stack`` (or one ``torch.tensor`` of the floats)
-  with the protocol's lowered flag in front, converted once to the wire dtype;
+  with the protocol's lowered flag in front, converted once to the wire dtype
+  (a floating loss on the CPU: one ``torch.full`` of its value, half the cost);
 - the read-back starts from the one ``tolist()`` that reads the flag: the
   float64 sums are divided as Python floats (a mean) and rounded once to the
   leaves' dtype by one ``torch.tensor`` (slicing, dividing, converting and
@@ -78,6 +79,7 @@ class FastPath:
         "flagged",
         "from_numbers",
         "keys",
+        "loss",
         "mean",
         "op",
         "plan",
@@ -115,6 +117,16 @@ class FastPath:
         )
         self.shape = (len(plan.leaves),)
         self.flagged = world > 1 and wire.flag  # a flag element in front (else none, or NaN)
+        # One floating 0-d tensor on the CPU (a loss): its buffer is built from its value.
+        self.loss = (
+            self.bare
+            and self.tensors
+            and not self.flagged
+            and world > 1
+            and first.native.is_floating_point
+            and first.device == _CPU
+            and device == _CPU
+        )
         self.flag = (
             torch.tensor(wire.flag_value(False), dtype=first.native, device=first.device)
             if self.tensors
@@ -163,6 +175,16 @@ class FastPath:
 
     def pack(self, obj: Any) -> torch.Tensor | None:
         """``obj`` as the wire's buffer (flag lowered), or None if its structure differs."""
+        if self.loss:
+            if (
+                type(obj) is not torch.Tensor
+                or obj.dtype != self.dtype
+                or obj.dim() != 0
+                or obj.device != _CPU
+            ):
+                return None
+            # Half the cost of stack + to (2.1 us vs 4.4 us); the value converts exactly.
+            return torch.full((1,), obj.item(), dtype=self.wire.dtype)
         if self.bare:
             values = [obj]
         elif type(obj) is dict and tuple(obj) == self.keys:
