@@ -11,7 +11,9 @@ every rank (DESIGN section 8), never a gloo abort or a silent wrong sum.
 
 from __future__ import annotations
 
+import math
 import time
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -490,19 +492,59 @@ def test_a_rank_at_a_new_function_meeting_a_steady_one_of_the_same_structure_is_
     assert steady_sum() == dist_ctx.world_size  # and the steady site goes on
 
 
+def nearest(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` rounded once to ``dtype`` (to nearest, ties to even), by exact arithmetic."""
+    close = torch.tensor(value, dtype=torch.float64).to(dtype)  # within one ulp of the answer
+    candidates = [
+        close,
+        torch.nextafter(close, torch.tensor(math.inf, dtype=dtype)),
+        torch.nextafter(close, torch.tensor(-math.inf, dtype=dtype)),
+    ]
+    finite = [c for c in candidates if math.isfinite(c.item())]
+
+    def key(candidate: torch.Tensor) -> tuple[Fraction, int]:
+        odd = int(candidate.view(torch.int16).item()) & 1 if dtype.itemsize == 2 else 0
+        return abs(Fraction(candidate.item()) - Fraction(value)), odd
+
+    return min(finite, key=key)
+
+
 @given(
     value=st.floats(allow_nan=True, allow_infinity=True, width=64),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
 )
-def test_a_single_value_is_rounded_back_exactly_as_torch_tensor_rounds_it(
-    value: float, dtype: torch.dtype
-) -> None:
+def test_a_single_value_is_rounded_back_once_to_its_dtype(value: float, dtype: torch.dtype) -> None:
     # The single-value read-back builds its 0-d tensor with torch.scalar_tensor, which
-    # refuses a value outside the dtype's range: such a sum must still come back +-inf.
+    # refuses a value outside the dtype's range (such a sum must still come back +-inf);
+    # float16 and bfloat16 must not be rounded through float32 first (torch does).
     got = fastpath._scalar(value, dtype, torch.device("cpu"))
-    expected = torch.tensor(value, dtype=dtype)
+    limit = torch.finfo(dtype).max
+    if dtype in (torch.float16, torch.bfloat16) and math.isfinite(value) and abs(value) <= limit:
+        expected = nearest(value, dtype)
+    else:
+        expected = torch.tensor(value, dtype=dtype)
     assert (got.dtype, got.shape) == (expected.dtype, expected.shape)
     assert torch.equal(got, expected) or (got.isnan().item() and expected.isnan().item())
+
+
+#: Three ranks' values whose exact sum is just below a tie of the dtype; torch's float64 to
+#: float16/bfloat16 conversion rounds through float32, lands on the tie and rounds up.
+NEAR_TIES = {
+    torch.float16: ([1 + 2**-10, 2**-11, -(2**-24)], 1 + 2**-10),
+    torch.bfloat16: ([1 + 2**-7, 2**-8, -(2**-30)], 1 + 2**-7),
+}
+
+
+@pytest.mark.distributed(world_size=3, timeout=120)
+def test_a_half_precision_sum_at_three_ranks_is_rounded_once(dist_ctx: DistContext) -> None:
+    for dtype, (values, expected) in NEAR_TIES.items():
+        mine = torch.tensor(values[dist_ctx.rank], dtype=dtype)
+        for _ in range(3):  # the first call (general path), then the steady state (fast path)
+            assert dist_ctx.all_reduce(mine, op="sum").item() == expected, dtype
+            assert dist_ctx.all_reduce({"m": mine, "n": mine}, op="sum")["m"].item() == expected
+            assert dist_ctx.all_reduce(mine.reshape(1), op="sum").item() == expected
+            handle = dist_ctx.all_reduce(mine, op="sum", async_op=True)
+            assert handle.result().item() == expected
 
 
 def test_a_float32_sum_past_float32s_range_comes_back_inf_on_every_rank() -> None:
@@ -513,3 +555,17 @@ def test_a_float32_sum_past_float32s_range_comes_back_inf_on_every_rank() -> Non
         return [ctx.all_reduce(big, op="sum").item() for _ in range(3)]  # slow, then fast path
 
     assert launch(body, world_size=2, timeout=60) == [[float("inf")] * 3] * 2
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_a_small_float16_leafs_mean_is_taken_before_rounding_and_its_sum_overflows(
+    dist_ctx: DistContext,
+) -> None:
+    # As the README says: a small leaf travels as float64, so its mean does not overflow
+    # where a sum-then-divide in float16 would; its sum, rounded back to float16, is inf.
+    big = torch.tensor(60000.0, dtype=torch.float16)
+    for _ in range(3):
+        assert dist_ctx.all_reduce(big).item() == 60000.0
+        assert dist_ctx.all_reduce(big, op="sum").item() == math.inf
+    large = torch.full((1024,), 60000.0, dtype=torch.float16)  # travels as float16
+    assert torch.isinf(dist_ctx.all_reduce(large)).all()

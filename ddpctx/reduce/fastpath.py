@@ -59,11 +59,13 @@ import torch
 
 from ddpctx.reduce.packing import OpSpec, Plan
 from ddpctx.reduce.tree import PYTHON, TENSOR
+from ddpctx.reduce.values import rounded
 
 _CPU = torch.device("cpu")
 _TENSOR = {torch.Tensor}
 _FLOAT = {float}
 _dtype = attrgetter("dtype")
+_HALVES = (torch.float16, torch.bfloat16)
 
 
 class FastPath:
@@ -226,7 +228,11 @@ class FastPath:
                 values = [number / world for number in values]
             if self.bare:
                 return _scalar(values[0], self.target, self.device)
-            values = torch.tensor(values, dtype=self.target, device=self.device).unbind(0)
+            if self.target in _HALVES:  # rounded once from float64, never via float32
+                wide = torch.tensor(values, dtype=torch.float64, device=self.device)
+                values = rounded(wide, self.target).unbind(0)
+            else:
+                values = torch.tensor(values, dtype=self.target, device=self.device).unbind(0)
         elif self.tensors:
             body = reduced[start:] if start else reduced
             if self.mean and world > 1:
@@ -236,7 +242,7 @@ class FastPath:
             target = self.target
             if not target.is_floating_point and body.is_floating_point():
                 body = body.round()
-            values = body.to(self.device, target).unbind(0)
+            values = rounded(body, target).to(self.device).unbind(0)
         else:
             if numbers is None:
                 numbers = reduced.tolist()
@@ -252,10 +258,13 @@ def _scalar(value: float, dtype: torch.dtype, device: torch.device | None) -> to
     """``torch.tensor(value, dtype=dtype, device=device)`` in half the time (1.7 us vs 3.7 us).
 
     ``torch.scalar_tensor`` rounds as ``torch.tensor`` does (the same on 60,000
-    values, random bit patterns among them, in float16/bfloat16/float32/float64)
-    but refuses a value outside the dtype's range, which ``torch.tensor`` makes
-    an infinity: that rare case takes ``torch.tensor``.
+    values, random bit patterns among them, in float32/float64) but refuses a
+    value outside the dtype's range, which ``torch.tensor`` makes an infinity:
+    that rare case takes ``torch.tensor``. float16 and bfloat16 are rounded
+    once by :func:`~ddpctx.reduce.values.rounded` (torch rounds through float32).
     """
+    if dtype in _HALVES:  # rounded once from float64, never via float32
+        return rounded(torch.tensor(value, dtype=torch.float64, device=device), dtype)
     try:
         return torch.scalar_tensor(value, dtype=dtype, device=device)
     except RuntimeError:  # overflow: +-inf, as torch.tensor rounds it

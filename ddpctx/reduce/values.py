@@ -58,13 +58,41 @@ def as_number(value: Any, dtype: torch.dtype) -> Any:
     return number
 
 
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def rounded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` in ``dtype``, rounded once (float64 to float16/bfloat16 not via float32).
+
+    torch converts float64 to float16 and bfloat16 through float32, rounding
+    twice: a float64 sum of three ranks' float16 values just past a tie of
+    float16 can land on the tie in float32 and then round the wrong way (1 ulp).
+    Rounding to float32 *to odd* (toward zero, then the last bit set when
+    inexact) keeps that information, so the one rounding to nearest that
+    follows is the correct rounding of the float64 value.
+
+    >>> x = torch.tensor([1 + 2**-10 + 2**-11 - 2**-24], dtype=torch.float64)
+    >>> x.to(torch.float16).item(), rounded(x, torch.float16).item()
+    (1.001953125, 1.0009765625)
+    """
+    if dtype not in _HALVES or values.dtype != torch.float64:
+        return values.to(dtype)
+    near = values.to(torch.float32)
+    wide = near.to(torch.float64)
+    toward_zero = torch.where(
+        wide.abs() > values.abs(), torch.nextafter(near, torch.zeros_like(near)), near
+    )
+    odd = (toward_zero.view(torch.int32) | 1).view(torch.float32)
+    return torch.where(wide != values, odd, near).to(dtype)  # NaN stays NaN either way
+
+
 def finish(leaf: Leaf, target: Any, value: torch.Tensor) -> Any:
     """A reduced flat tensor as the leaf's own kind: tensor, array, NumPy or Python number."""
     if leaf.kind == TENSOR:
         shaped = value.reshape(leaf.shape)
         if not target.is_floating_point and shaped.is_floating_point():
             shaped = shaped.round()
-        return shaped.to(leaf.device, target)
+        return rounded(shaped, target).to(leaf.device)
     host = value.cpu()
     if leaf.kind == NUMPY:
         array = host.numpy().reshape(leaf.shape)

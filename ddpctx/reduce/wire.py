@@ -36,7 +36,16 @@ import numpy as np
 import torch
 
 from ddpctx.reduce.tree import PYTHON, TENSOR, Leaf, flatten
-from ddpctx.reduce.values import as_int64, as_number, divided, finish, from_numpy, scalar, times
+from ddpctx.reduce.values import (
+    as_int64,
+    as_number,
+    divided,
+    finish,
+    from_numpy,
+    rounded,
+    scalar,
+    times,
+)
 
 _INT64 = 2**64
 _SIGN_BIT = -(2**63)  # as an int64: XOR with it adds 2**63 modulo 2**64
@@ -285,7 +294,8 @@ class Wire:
             target, leaf = self.targets[0], self.leaves[0]
             if not target.is_floating_point and body.is_floating_point():
                 body = body.round()
-            for slot, value in zip(self.slots, body.to(leaf.device, target).unbind(0), strict=True):
+            values = rounded(body, target).to(leaf.device).unbind(0)
+            for slot, value in zip(self.slots, values, strict=True):
                 results[slot.leaf] = value
             return
         if self.unpacking == "numbers":
