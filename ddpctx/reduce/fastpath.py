@@ -59,13 +59,12 @@ import torch
 
 from ddpctx.reduce.packing import OpSpec, Plan
 from ddpctx.reduce.tree import PYTHON, TENSOR
-from ddpctx.reduce.values import rounded
+from ddpctx.reduce.values import HALVES, rounded
 
 _CPU = torch.device("cpu")
 _TENSOR = {torch.Tensor}
 _FLOAT = {float}
 _dtype = attrgetter("dtype")
-_HALVES = (torch.float16, torch.bfloat16)
 
 
 class FastPath:
@@ -228,7 +227,7 @@ class FastPath:
                 values = [number / world for number in values]
             if self.bare:
                 return _scalar(values[0], self.target, self.device)
-            if self.target in _HALVES:  # rounded once from float64, never via float32
+            if self.target in HALVES:  # rounded once from float64, never via float32
                 wide = torch.tensor(values, dtype=torch.float64, device=self.device)
                 values = rounded(wide, self.target).unbind(0)
             else:
@@ -263,7 +262,7 @@ def _scalar(value: float, dtype: torch.dtype, device: torch.device | None) -> to
     that rare case takes ``torch.tensor``. float16 and bfloat16 are rounded
     once by :func:`~ddpctx.reduce.values.rounded` (torch rounds through float32).
     """
-    if dtype in _HALVES:  # rounded once from float64, never via float32
+    if dtype in HALVES:  # rounded once from float64, never via float32
         return rounded(torch.tensor(value, dtype=torch.float64, device=device), dtype)
     try:
         return torch.scalar_tensor(value, dtype=dtype, device=device)

@@ -58,7 +58,8 @@ def as_number(value: Any, dtype: torch.dtype) -> Any:
     return number
 
 
-_HALVES = (torch.float16, torch.bfloat16)
+#: The dtypes torch converts float64 into through float32 (rounding twice).
+HALVES = (torch.float16, torch.bfloat16)
 
 
 def rounded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -75,7 +76,7 @@ def rounded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     >>> x.to(torch.float16).item(), rounded(x, torch.float16).item()
     (1.001953125, 1.0009765625)
     """
-    if dtype not in _HALVES or values.dtype != torch.float64:
+    if dtype not in HALVES or values.dtype != torch.float64:
         return values.to(dtype)
     near = values.to(torch.float32)
     wide = near.to(torch.float64)
