@@ -1,15 +1,30 @@
-"""The pytest plugin, exercised through pytest's own pytester in a separate session."""
+"""The pytest plugin, exercised through pytest's own pytester in separate sessions.
+
+A pytest session that imports torch and the plugin costs 5-6 s of CPU before
+its first test, so the cases that need no command-line option of their own
+share ONE session (:func:`shared`): each case is a test file of its own, and
+each test below reads its file's outcomes and report sections from that
+session. Cases whose options change the whole session (``-s``, ``-n 2``,
+``--timeout``) run in sessions of their own (:func:`run`).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import textwrap
+import xml.etree.ElementTree as ElementTree
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import child_env, patience
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -19,22 +34,76 @@ def run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", *args, timeout=150)
 
 
-@pytest.mark.slow
-def test_importing_the_plugin_does_not_import_torch() -> None:
-    code = "import sys, ddpctx.testing.plugin; print('torch' in sys.modules)"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env()
-    )
-    assert result.stdout.strip() == "False", result.stderr
+@dataclass
+class Session:
+    """One pytest session over many case files: its output and each case's outcomes."""
+
+    folder: Path
+    stdout: str
+    outcomes: dict[str, Counter[str]]  # case file stem -> {"passed": n, "failed": n, ...}
+
+    def assert_outcomes(self, case: str, **expected: int) -> None:
+        """Like ``RunResult.assert_outcomes``, for the tests of one case file."""
+        assert dict(self.outcomes.get(case, Counter())) == expected, self.stdout
+
+    def section(self, title: str) -> str:
+        """The report section headed ``___ title ___`` (a failure, an error), up to the next one."""
+        lines = self.stdout.splitlines()
+        heading = re.compile(rf"^_+ {re.escape(title)} _+$")
+        for index, line in enumerate(lines):
+            if heading.match(line):
+                rest = lines[index + 1 :]
+                ends = [
+                    n
+                    for n, text in enumerate(rest)
+                    if re.match(r"^(_{3,} .* _{3,}|={3,} .*)$", text)
+                ]
+                return "\n".join(rest[: ends[0] if ends else len(rest)])
+        raise AssertionError(f"no section {title!r} in the session's report:\n{self.stdout}")
+
+    def lines(self, title: str) -> pytest.LineMatcher:
+        return pytest.LineMatcher(self.section(title).splitlines())
 
 
-@pytest.mark.slow
-def test_a_passing_test_runs_on_every_rank_with_fixtures_from_the_main_process(
-    pytester: pytest.Pytester,
-) -> None:
-    result = run(
-        pytester,
-        """
+def outcomes_of(report: Path) -> dict[str, Counter[str]]:
+    """Per case file, how many tests passed, failed, errored and were skipped (a JUnit XML)."""
+    counts: dict[str, Counter[str]] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        outcome = next(
+            (
+                name
+                for tag, name in (
+                    ("error", "errors"),
+                    ("failure", "failed"),
+                    ("skipped", "skipped"),
+                )
+                if tag in kinds
+            ),
+            "passed",
+        )
+        counts.setdefault(case.get("classname", "").split(".")[0], Counter())[outcome] += 1
+    return counts
+
+
+#: A test that sleeps past a 4 s pytest-timeout, and one that waits in ``run_distributed``.
+SHORT_TIMEOUT = """
+    import time, pytest
+
+    {marker}
+    @pytest.mark.distributed(world_size=2, timeout=60)
+    def test_sleeps(dist_ctx):
+        time.sleep(60)
+
+    {marker}
+    def test_uses_the_fixture(run_distributed):
+        run_distributed(time.sleep, 60)
+    """
+
+
+#: The cases that share one session: file stem -> source. ``FOLDER`` is the session's folder.
+CASES: dict[str, str] = {
+    "test_passing": """
         import pytest, torch, torch.distributed as dist
 
         @pytest.fixture
@@ -48,36 +117,14 @@ def test_a_passing_test_runs_on_every_rank_with_fixtures_from_the_main_process(
             assert value.item() == 83.0
             assert dist_ctx.world_size == 2
         """,
-    )
-    result.assert_outcomes(passed=1)
-
-
-@pytest.mark.slow
-def test_a_list_of_world_sizes_expands_into_one_test_per_size(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+    "test_size_list": """
         import pytest
 
         @pytest.mark.distributed(world_size=[1, 2, 3])
         def test_size(dist_ctx):
             assert 0 <= dist_ctx.rank < dist_ctx.world_size
         """,
-        "-v",
-    )
-    result.assert_outcomes(passed=3)
-    result.stdout.fnmatch_lines(
-        ["*test_size?ws1? PASSED*", "*test_size?ws2? PASSED*", "*test_size?ws3? PASSED*"]
-    )
-
-
-@pytest.mark.slow
-def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_output(
-    pytester: pytest.Pytester,
-) -> None:
-    result = run(
-        pytester,
-        """
+    "test_failing_rank": """
         import pytest, torch.distributed as dist
 
         @pytest.mark.distributed(world_size=2)
@@ -88,30 +135,7 @@ def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_
                 assert 1 == expected
             dist.barrier()
         """,
-    )
-    result.assert_outcomes(failed=1)
-    result.stdout.no_fnmatch_line("*launcher.py*")  # no library frames in the report
-    result.stdout.fnmatch_lines(
-        [
-            "*test_inner.py*, in test_fails",  # the rank's traceback starts at the test
-            "AssertionError: assert 1 == 0",
-            "*raised on rank 1 of 2*",
-            "E *assert 1 == 0",  # pytest's own rewritten message, original type
-            "*Captured rank 0 stdout call*",
-            "hello from rank 0",
-            "*Captured rank 1 stdout call*",
-            "hello from rank 1",
-        ]
-    )
-
-
-@pytest.mark.slow
-def test_a_failure_report_shows_the_output_of_every_rank_also_those_still_running(
-    pytester: pytest.Pytester,
-) -> None:
-    result = run(
-        pytester,
-        """
+    "test_running_ranks_output": """
         import time, pytest
 
         @pytest.mark.distributed(world_size=2)
@@ -126,48 +150,16 @@ def test_a_failure_report_shows_the_output_of_every_rank_also_those_still_runnin
             print("rank 1 was here")
             assert dist_ctx.rank == 0
         """,
-    )
-    result.assert_outcomes(passed=1, failed=1)
-    report = result.stdout.str()
-    failure = report[report.index("test_2_fails ___") :]
-    assert "Captured rank 0 stdout call" in failure, failure
-    assert failure.index("Captured rank 0 stdout call") < failure.index("rank 0 was here")
-    assert "Captured rank 1 stdout call" in failure
-    assert "from an earlier test" not in failure  # the warm pool's earlier test is not this one
-
-
-@pytest.mark.slow
-def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_error(
-    pytester: pytest.Pytester,
-) -> None:
-    result = run(
-        pytester,
-        """
+    "test_users_error": """
         import pytest, torch.distributed as dist
 
         @pytest.mark.distributed(world_size=2)
-        def test_fails(dist_ctx):
+        def test_fails_with_a_key_error(dist_ctx):
             if dist_ctx.rank == 1:
                 raise KeyError("shard 7")
             dist.barrier()  # rank 0's barrier breaks when rank 1 leaves: a follow-on error
         """,
-    )
-    result.assert_outcomes(failed=1)
-    report = result.stdout.str()
-    failure = report[report.index("test_fails ___") :]
-    body = [line for line in failure.splitlines()[1:] if line.strip()]
-    assert "Traceback (most recent call last)" in body[0], failure  # the rank's own traceback
-    assert failure.index("KeyError: 'shard 7'") < failure.index("as a consequence: rank 0")
-    assert ".cc:" not in failure  # gloo's C++ source path is not what the reader needs
-
-
-@pytest.mark.slow
-def test_a_hang_fails_that_test_with_every_ranks_stack_and_the_session_goes_on(
-    pytester: pytest.Pytester,
-) -> None:
-    result = run(
-        pytester,
-        """
+    "test_hang": """
         import time, pytest, torch.distributed as dist
 
         @pytest.mark.distributed(world_size=2, timeout=2)
@@ -180,41 +172,14 @@ def test_a_hang_fails_that_test_with_every_ranks_stack_and_the_session_goes_on(
         def test_after(dist_ctx):
             dist_ctx.barrier()
         """,
-    )
-    result.assert_outcomes(failed=1, passed=1)
-    result.stdout.fnmatch_lines(
-        [
-            "*ranks 0, 1 did not finish within 2 s*",
-            "--- rank 0 ---",
-            "*test_inner.py*in test_hangs",
-            "--- rank 1 ---",
-            "*in barrier",
-            "*test_inner.py*in test_hangs",
-        ]
-    )
-
-
-@pytest.mark.slow
-def test_a_skip_inside_a_rank_skips_the_test(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+    "test_skip": """
         import pytest
 
         @pytest.mark.distributed(world_size=2)
         def test_skips(dist_ctx):
             pytest.skip("needs two GPUs")
         """,
-    )
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*needs two GPUs*"])
-
-
-@pytest.mark.slow
-def test_run_distributed_takes_closures_and_module_functions(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+    "test_run_distributed": """
         import ddpctx
 
         def scaled(x):
@@ -227,65 +192,21 @@ def test_run_distributed_takes_closures_and_module_functions(pytester: pytest.Py
             offset = 100
             assert run_distributed(lambda: ddpctx.current().rank + offset) == [100, 101]
         """,
-    )
-    result.assert_outcomes(passed=2)
-
-
-@pytest.mark.slow
-def test_no_rank_process_outlives_the_session(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    result = run(
-        pytester,
-        f"""
+    "test_pids": """
         import os, pytest
+
+        PIDS = os.path.join(FOLDER, "pids")
 
         @pytest.mark.distributed(world_size=[2, 3])
         def test_records_pid(dist_ctx):
-            open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+            open(os.path.join(PIDS, str(os.getpid())), "w").close()
 
         @pytest.mark.distributed(world_size=2)
         def test_fails_and_spoils_the_pool(dist_ctx):
-            open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+            open(os.path.join(PIDS, str(os.getpid())), "w").close()
             assert dist_ctx.rank == 0
         """,
-    )
-    result.assert_outcomes(passed=2, failed=1)
-    recorded = [int(name) for name in os.listdir(pids)]
-    assert len(recorded) >= 5
-    alive = [pid for pid in recorded if Path(f"/proc/{pid}").exists()]
-    assert alive == [], f"rank processes still running: {alive}"
-
-
-@pytest.mark.slow
-def test_works_under_xdist(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("xdist")
-    result = run(
-        pytester,
-        """
-        import pytest, torch, torch.distributed as dist
-
-        @pytest.mark.distributed(world_size=[2, 3])
-        @pytest.mark.parametrize("value", [1.0, 2.0])
-        def test_sum(dist_ctx, value):
-            tensor = torch.tensor([value])
-            dist.all_reduce(tensor)
-            assert tensor.item() == value * dist_ctx.world_size
-        """,
-        "-n",
-        "2",
-    )
-    result.assert_outcomes(passed=4)
-
-
-# --- issue: the plugin must behave like pytest --------------------------------------------------
-
-
-@pytest.mark.slow
-def test_a_marked_async_test_runs_its_body(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+    "test_async": """
         import asyncio, pytest
 
         @pytest.mark.distributed(world_size=2)
@@ -297,54 +218,34 @@ def test_a_marked_async_test_runs_its_body(pytester: pytest.Pytester) -> None:
         async def test_awaits_and_passes(dist_ctx):
             assert await asyncio.sleep(0, result=dist_ctx.world_size) == 2
         """,
-    )
-    result.assert_outcomes(failed=1, passed=1)
-    result.stdout.fnmatch_lines(["*assert 0 == 99*"])
-
-
-TRIVIAL_UNDER_LOAD = """
-import multiprocessing, pytest
-
-def burn():
-    while True:
-        pass
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_load():
-    burners = [multiprocessing.get_context("spawn").Process(target=burn, daemon=True)
-               for _ in range(2)]
-    for process in burners:
-        process.start()
-    yield
-    for process in burners:
-        process.kill()
-
-@pytest.mark.distributed(world_size=2)
-@pytest.mark.parametrize("index", range(100))
-def test_trivial(index):
-    pass
-"""
-
-
-@pytest.mark.slow
-def test_trivial_two_rank_tests_never_fail_to_form_their_group_under_cpu_load(
-    pytester: pytest.Pytester,
-) -> None:
     # Bodies without a collective: the case where a rank tore its group down while its
     # peer was still connecting, and gloo's mesh set-up also fails by chance under load.
-    result = run(pytester, TRIVIAL_UNDER_LOAD)
-    result.stdout.no_fnmatch_line("*connectFullMesh*")
-    result.assert_outcomes(passed=100)
+    "test_trivial_under_load": """
+        import multiprocessing, pytest
 
+        def burn():
+            while True:
+                pass
 
-@pytest.mark.slow
-def test_no_state_leaks_from_one_test_to_the_next_through_the_warm_pool(
-    pytester: pytest.Pytester,
-) -> None:
-    source = """
+        @pytest.fixture(scope="module", autouse=True)
+        def cpu_load():
+            burners = [multiprocessing.get_context("spawn").Process(target=burn, daemon=True)
+                       for _ in range(2)]
+            for process in burners:
+                process.start()
+            yield
+            for process in burners:
+                process.kill()
+
+        @pytest.mark.distributed(world_size=2)
+        @pytest.mark.parametrize("index", range(100))
+        def test_trivial(index):
+            pass
+        """,
+    "test_state_leaks": """
         import os, random, pytest, torch
 
-        START = START_DIR
+        START = FOLDER
 
         @pytest.mark.distributed(world_size=2)
         def test_1_changes_everything(dist_ctx, tmp_path, monkeypatch):
@@ -376,21 +277,9 @@ def test_no_state_leaks_from_one_test_to_the_next_through_the_warm_pool(
         def test_4_draws_the_same_whatever_ran_before(dist_ctx):
             with open(os.path.join(START, f"draw{dist_ctx.rank}")) as handle:
                 assert handle.read() == draw(dist_ctx.rank)
-        """
-    result = run(
-        pytester, source.replace("START_DIR", repr(str(pytester.path))), "-p", "no:randomly"
-    )
-    result.assert_outcomes(passed=4)
-
-
-@pytest.mark.slow
-def test_isolated_tests_get_fresh_rank_processes(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+        """,
+    "test_isolated": """
         import os, pytest
-
-        pids = {}
 
         @pytest.mark.distributed(world_size=2)
         def test_warm(dist_ctx):
@@ -403,17 +292,7 @@ def test_isolated_tests_get_fresh_rank_processes(pytester: pytest.Pytester) -> N
             import builtins
             assert not hasattr(builtins, "ddpctx_marker")
         """,
-    )
-    result.assert_outcomes(passed=2)
-
-
-@pytest.mark.slow
-def test_environment_and_cwd_from_fixtures_reach_the_ranks_in_every_test(
-    pytester: pytest.Pytester,
-) -> None:
-    result = run(
-        pytester,
-        """
+    "test_fixture_env": """
         import os, pytest
 
         @pytest.fixture
@@ -435,55 +314,20 @@ def test_environment_and_cwd_from_fixtures_reach_the_ranks_in_every_test(
         def test_and_is_gone_afterwards(dist_ctx):
             assert "MY_FLAG" not in os.environ
         """,
-        "-p",
-        "no:randomly",
-    )
-    result.assert_outcomes(passed=3)
+    "test_output": """
+        import pytest
 
+        @pytest.mark.distributed(world_size=2)
+        def test_prints(dist_ctx):
+            print(f"hello from rank {dist_ctx.rank}")
 
-OUTPUT_TESTS = """
-import pytest
-
-@pytest.mark.distributed(world_size=2)
-def test_prints(dist_ctx):
-    print(f"hello from rank {dist_ctx.rank}")
-
-@pytest.mark.distributed(world_size=2)
-def test_capsys_inside_a_rank(dist_ctx, capsys):
-    print("captured", dist_ctx.rank)
-    assert capsys.readouterr().out == f"captured {dist_ctx.rank}\\n"
-    assert capsys.readouterr().out == ""
-"""
-
-
-@pytest.mark.slow
-def test_dash_s_streams_each_ranks_output_with_its_rank(pytester: pytest.Pytester) -> None:
-    result = run(pytester, OUTPUT_TESTS, "-s")
-    result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["*[[]rank 0[]] hello from rank 0*"])
-    result.stdout.fnmatch_lines(["*[[]rank 1[]] hello from rank 1*"])
-
-
-@pytest.mark.slow
-def test_dash_r_p_shows_the_output_of_passing_tests(pytester: pytest.Pytester) -> None:
-    result = run(pytester, OUTPUT_TESTS, "-rP")
-    result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(
-        [
-            "*PASSES*",
-            "*Captured rank 0 stdout call*",
-            "hello from rank 0",
-            "*Captured rank 1 stdout call*",
-            "hello from rank 1",
-        ]
-    )
-
-
-@pytest.mark.slow
-def test_dist_world_size_fixture_and_pytest_param_world_sizes(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+        @pytest.mark.distributed(world_size=2)
+        def test_capsys_inside_a_rank(dist_ctx, capsys):
+            print("captured", dist_ctx.rank)
+            assert capsys.readouterr().out == f"captured {dist_ctx.rank}\\n"
+            assert capsys.readouterr().out == ""
+        """,
+    "test_world_size_fixture": """
         import pytest
 
         @pytest.fixture
@@ -501,17 +345,7 @@ def test_dist_world_size_fixture_and_pytest_param_world_sizes(pytester: pytest.P
         def test_single_size(dist_ctx, dist_world_size):
             assert dist_world_size == 2
         """,
-        "-v",
-    )
-    result.assert_outcomes(passed=3, skipped=1)
-    result.stdout.fnmatch_lines(["*test_sizes?ws1? PASSED*", "*test_sizes?pair? PASSED*"])
-
-
-@pytest.mark.slow
-def test_init_false_gives_the_rendezvous_variables_and_no_group(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+    "test_init_false": """
         import os, pytest, torch, torch.distributed as dist
         import ddpctx
 
@@ -531,30 +365,14 @@ def test_init_false_gives_the_rendezvous_variables_and_no_group(pytester: pytest
                 assert (ctx.world_size, ctx.launcher) == (3, "launch")
                 assert ctx.all_reduce(1.0, op="sum") == 3.0
         """,
-    )
-    result.assert_outcomes(passed=2)
-
-
-@pytest.mark.slow
-def test_a_positional_world_size_is_accepted(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+    "test_positional": """
         import pytest
 
         @pytest.mark.distributed(3)
         def test_three(dist_ctx):
             assert dist_ctx.world_size == 3
         """,
-    )
-    result.assert_outcomes(passed=1)
-
-
-@pytest.mark.slow
-def test_a_bad_marker_is_one_clear_line_on_that_test_only(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
+    "test_bad_marker": """
         import pytest
 
         @pytest.mark.distributed(world_size=0)
@@ -564,95 +382,320 @@ def test_a_bad_marker_is_one_clear_line_on_that_test_only(pytester: pytest.Pytes
         def test_unaffected():
             pass
         """,
-    )
-    result.assert_outcomes(passed=1, errors=1)
-    result.stdout.no_fnmatch_line("*pluggy?_*")
-    result.stdout.fnmatch_lines(["*distributed(world_size=0)*must be a positive int*"])
-
-
-@pytest.mark.slow
-def test_a_skip_points_at_the_test_not_at_the_plugin(pytester: pytest.Pytester) -> None:
-    result = run(
-        pytester,
-        """
-        import pytest
-
-        @pytest.mark.distributed(world_size=2)
-        def test_skips(dist_ctx):
-            pytest.skip("needs two GPUs")
-        """,
-    )
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_inner.py:*needs two GPUs*"])
-    result.stdout.no_fnmatch_line("*pluggy?_*")
-
-
-@pytest.mark.slow
-def test_a_failure_with_an_unpicklable_fixture_does_not_chain_a_pickling_error(
-    pytester: pytest.Pytester,
-) -> None:
-    result = run(
-        pytester,
-        """
+    "test_unpicklable": """
         import pytest
 
         @pytest.mark.distributed(world_size=2)
         def test_uses_request(dist_ctx, request):
             assert dist_ctx.rank == 0
         """,
-    )
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*raised on rank 1 of 2*"])
-    result.stdout.no_fnmatch_line("*pickle*")
-
-
-@pytest.mark.slow
-def test_a_pytest_timeout_hit_shows_the_ranks_stacks(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("pytest_timeout")
-    result = run(
-        pytester,
-        """
+    "test_pytest_timeout": """
         import time, pytest
 
         @pytest.mark.timeout(20)
         @pytest.mark.distributed(world_size=2)
-        def test_sleeps(dist_ctx):
+        def test_sleeps_past_20_s(dist_ctx):
             time.sleep(60)
         """,
+    "test_short_timeout_marker": SHORT_TIMEOUT.format(marker="@pytest.mark.timeout(4)"),
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Session:
+    """One pytest session running every case of :data:`CASES` (about 1 min on an idle machine)."""
+    folder = tmp_path_factory.mktemp("shared_session")
+    (folder / "pids").mkdir()
+    for name, source in CASES.items():
+        text = textwrap.dedent(source).replace("FOLDER", repr(str(folder)))
+        (folder / f"{name}.py").write_text(text)
+    report = folder / "report.xml"
+    command = [
+        *(sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"),
+        *("-v", "-rsP", f"--basetemp={folder / 'basetemp'}", f"--junitxml={report}"),
+        *(f"{name}.py" for name in CASES),
+    ]
+    result = subprocess.run(
+        command, cwd=folder, capture_output=True, text=True, timeout=patience(600), env=child_env()
     )
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["--- rank 0 ---", "*test_inner.py*in test_sleeps"])
-    result.stdout.no_fnmatch_line("*from pytest-timeout*")
+    assert report.exists(), result.stdout + result.stderr
+    return Session(folder, result.stdout, outcomes_of(report))
+
+
+Test = TypeVar("Test", bound=Callable[..., object])
+
+
+def shared_case(test: Test) -> Test:
+    """A test that reads its case from :func:`shared`: slow, and bounded by that session's time."""
+    slow: Callable[[Test], Test] = pytest.mark.slow
+    bounded: Callable[[Test], Test] = pytest.mark.timeout(900)
+    return slow(bounded(test))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["--timeout=4", "marker"])
-def test_a_short_pytest_timeout_still_shows_the_ranks_stacks(
-    pytester: pytest.Pytester, where: str
+def test_importing_the_plugin_does_not_import_torch() -> None:
+    code = "import sys, ddpctx.testing.plugin; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env()
+    )
+    assert result.stdout.strip() == "False", result.stderr
+
+
+@shared_case
+def test_a_passing_test_runs_on_every_rank_with_fixtures_from_the_main_process(
+    shared: Session,
 ) -> None:
-    # Before: with --timeout of 6 s or less, pytest-timeout interrupted the plugin while
-    # it collected the stacks, and the failure showed the plugin's frames, no rank's.
-    pytest.importorskip("pytest_timeout")
-    marker = "@pytest.mark.timeout(4)" if where == "marker" else ""
+    shared.assert_outcomes("test_passing", passed=1)
+
+
+@shared_case
+def test_a_list_of_world_sizes_expands_into_one_test_per_size(shared: Session) -> None:
+    shared.assert_outcomes("test_size_list", passed=3)
+    pytest.LineMatcher(shared.stdout.splitlines()).fnmatch_lines(
+        [f"test_size_list.py::test_size?ws{size}? PASSED*" for size in (1, 2, 3)]
+    )
+
+
+@shared_case
+def test_a_failing_rank_is_one_failure_with_the_rewritten_assert_and_each_ranks_output(
+    shared: Session,
+) -> None:
+    shared.assert_outcomes("test_failing_rank", failed=1)
+    report = shared.lines("test_fails")
+    report.no_fnmatch_line("*launcher.py*")  # no library frames in the report
+    report.fnmatch_lines(
+        [
+            "*test_failing_rank.py*, in test_fails",  # the rank's traceback starts at the test
+            "AssertionError: assert 1 == 0",
+            "*raised on rank 1 of 2*",
+            "E *assert 1 == 0",  # pytest's own rewritten message, original type
+            "*Captured rank 0 stdout call*",
+            "hello from rank 0",
+            "*Captured rank 1 stdout call*",
+            "hello from rank 1",
+        ]
+    )
+
+
+@shared_case
+def test_a_failure_report_shows_the_output_of_every_rank_also_those_still_running(
+    shared: Session,
+) -> None:
+    shared.assert_outcomes("test_running_ranks_output", passed=1, failed=1)
+    failure = shared.section("test_2_fails")
+    assert "Captured rank 0 stdout call" in failure, failure
+    assert failure.index("Captured rank 0 stdout call") < failure.index("rank 0 was here")
+    assert "Captured rank 1 stdout call" in failure
+    assert "from an earlier test" not in failure  # the warm pool's earlier test is not this one
+
+
+@shared_case
+def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_error(
+    shared: Session,
+) -> None:
+    shared.assert_outcomes("test_users_error", failed=1)
+    failure = shared.section("test_fails_with_a_key_error")
+    body = [line for line in failure.splitlines() if line.strip()]
+    assert "Traceback (most recent call last)" in body[0], failure  # the rank's own traceback
+    assert failure.index("KeyError: 'shard 7'") < failure.index("as a consequence: rank 0")
+    assert ".cc:" not in failure  # gloo's C++ source path is not what the reader needs
+
+
+@shared_case
+def test_a_hang_fails_that_test_with_every_ranks_stack_and_the_session_goes_on(
+    shared: Session,
+) -> None:
+    shared.assert_outcomes("test_hang", failed=1, passed=1)
+    shared.lines("test_hangs").fnmatch_lines(
+        [
+            "*ranks 0, 1 did not finish within 2 s*",
+            "--- rank 0 ---",
+            "*test_hang.py*in test_hangs",
+            "--- rank 1 ---",
+            "*in barrier",
+            "*test_hang.py*in test_hangs",
+        ]
+    )
+
+
+@shared_case
+def test_a_skip_inside_a_rank_skips_the_test(shared: Session) -> None:
+    shared.assert_outcomes("test_skip", skipped=1)
+    pytest.LineMatcher(shared.stdout.splitlines()).fnmatch_lines(["*needs two GPUs*"])
+
+
+@shared_case
+def test_run_distributed_takes_closures_and_module_functions(shared: Session) -> None:
+    shared.assert_outcomes("test_run_distributed", passed=2)
+
+
+@shared_case
+def test_no_rank_process_outlives_the_session(shared: Session) -> None:
+    shared.assert_outcomes("test_pids", passed=2, failed=1)
+    pids = shared.folder / "pids"
+    recorded = [int(name) for name in os.listdir(pids)]
+    assert len(recorded) >= 5
+    alive = [pid for pid in recorded if Path(f"/proc/{pid}").exists()]
+    assert alive == [], f"rank processes still running: {alive}"
+
+
+@pytest.mark.slow
+def test_works_under_xdist(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
     result = run(
         pytester,
-        f"""
-        import time, pytest
+        """
+        import pytest, torch, torch.distributed as dist
 
-        {marker}
-        @pytest.mark.distributed(world_size=2, timeout=60)
-        def test_sleeps(dist_ctx):
-            time.sleep(60)
-
-        {marker}
-        def test_uses_the_fixture(run_distributed):
-            run_distributed(time.sleep, 60)
+        @pytest.mark.distributed(world_size=[2, 3])
+        @pytest.mark.parametrize("value", [1.0, 2.0])
+        def test_sum(dist_ctx, value):
+            tensor = torch.tensor([value])
+            dist.all_reduce(tensor)
+            assert tensor.item() == value * dist_ctx.world_size
         """,
-        *(["--timeout=4"] if where != "marker" else []),
+        "-n",
+        "2",
     )
+    result.assert_outcomes(passed=4)
+
+
+# --- issue: the plugin must behave like pytest --------------------------------------------------
+
+
+@shared_case
+def test_a_marked_async_test_runs_its_body(shared: Session) -> None:
+    shared.assert_outcomes("test_async", failed=1, passed=1)
+    shared.lines("test_fails_in_its_body").fnmatch_lines(["*assert 0 == 99*"])
+
+
+@shared_case
+def test_trivial_two_rank_tests_never_fail_to_form_their_group_under_cpu_load(
+    shared: Session,
+) -> None:
+    assert "connectFullMesh" not in shared.stdout
+    shared.assert_outcomes("test_trivial_under_load", passed=100)
+
+
+@shared_case
+def test_no_state_leaks_from_one_test_to_the_next_through_the_warm_pool(shared: Session) -> None:
+    shared.assert_outcomes("test_state_leaks", passed=4)
+
+
+@shared_case
+def test_isolated_tests_get_fresh_rank_processes(shared: Session) -> None:
+    shared.assert_outcomes("test_isolated", passed=2)
+
+
+@shared_case
+def test_environment_and_cwd_from_fixtures_reach_the_ranks_in_every_test(shared: Session) -> None:
+    shared.assert_outcomes("test_fixture_env", passed=3)
+
+
+OUTPUT_TESTS = CASES["test_output"]
+
+
+@pytest.mark.slow
+def test_dash_s_streams_each_ranks_output_with_its_rank(pytester: pytest.Pytester) -> None:
+    result = run(pytester, OUTPUT_TESTS, "-s")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*[[]rank 0[]] hello from rank 0*"])
+    result.stdout.fnmatch_lines(["*[[]rank 1[]] hello from rank 1*"])
+
+
+@shared_case
+def test_dash_r_p_shows_the_output_of_passing_tests(shared: Session) -> None:
+    shared.assert_outcomes("test_output", passed=2)
+    shared.lines("test_prints").fnmatch_lines(
+        [
+            "*Captured rank 0 stdout call*",
+            "hello from rank 0",
+            "*Captured rank 1 stdout call*",
+            "hello from rank 1",
+        ]
+    )
+    assert shared.stdout.index("= PASSES =") < shared.stdout.index("_ test_prints _")
+
+
+@shared_case
+def test_dist_world_size_fixture_and_pytest_param_world_sizes(shared: Session) -> None:
+    shared.assert_outcomes("test_world_size_fixture", passed=3, skipped=1)
+    pytest.LineMatcher(shared.stdout.splitlines()).fnmatch_lines(
+        [
+            "test_world_size_fixture.py::test_sizes?ws1? PASSED*",
+            "test_world_size_fixture.py::test_sizes?pair? PASSED*",
+        ]
+    )
+
+
+@shared_case
+def test_init_false_gives_the_rendezvous_variables_and_no_group(shared: Session) -> None:
+    shared.assert_outcomes("test_init_false", passed=2)
+
+
+@shared_case
+def test_a_positional_world_size_is_accepted(shared: Session) -> None:
+    shared.assert_outcomes("test_positional", passed=1)
+
+
+@shared_case
+def test_a_bad_marker_is_one_clear_line_on_that_test_only(shared: Session) -> None:
+    shared.assert_outcomes("test_bad_marker", passed=1, errors=1)
+    error = shared.lines("ERROR at setup of test_bad")
+    error.no_fnmatch_line("*pluggy?_*")
+    error.fnmatch_lines(["*distributed(world_size=0)*must be a positive int*"])
+
+
+@shared_case
+def test_a_skip_points_at_the_test_not_at_the_plugin(shared: Session) -> None:
+    skips = [line for line in shared.stdout.splitlines() if "needs two GPUs" in line]
+    pytest.LineMatcher(skips).fnmatch_lines(["SKIPPED [[]1[]] test_skip.py:*needs two GPUs*"])
+    pytest.LineMatcher(skips).no_fnmatch_line("*pluggy?_*")
+
+
+@shared_case
+def test_a_failure_with_an_unpicklable_fixture_does_not_chain_a_pickling_error(
+    shared: Session,
+) -> None:
+    shared.assert_outcomes("test_unpicklable", failed=1)
+    failure = shared.lines("test_uses_request")
+    failure.fnmatch_lines(["*raised on rank 1 of 2*"])
+    failure.no_fnmatch_line("*pickle*")
+
+
+@shared_case
+def test_a_pytest_timeout_hit_shows_the_ranks_stacks(shared: Session) -> None:
+    pytest.importorskip("pytest_timeout")
+    shared.assert_outcomes("test_pytest_timeout", failed=1)
+    failure = shared.lines("test_sleeps_past_20_s")
+    failure.fnmatch_lines(["--- rank 0 ---", "*test_pytest_timeout.py*in test_sleeps_past_20_s"])
+    failure.no_fnmatch_line("*from pytest-timeout*")
+
+
+def check_short_timeout(failures: list[pytest.LineMatcher]) -> None:
+    # Before: with --timeout of 6 s or less, pytest-timeout interrupted the plugin while
+    # it collected the stacks, and the failure showed the plugin's frames, no rank's.
+    for failure in failures:
+        failure.fnmatch_lines(["*did not finish within 4 s*", "*--- rank 0 ---*"])
+        failure.no_fnmatch_line("*from pytest-timeout*")
+
+
+@shared_case
+def test_a_short_pytest_timeout_marker_still_shows_the_ranks_stacks(shared: Session) -> None:
+    pytest.importorskip("pytest_timeout")
+    shared.assert_outcomes("test_short_timeout_marker", failed=2)
+    check_short_timeout([shared.lines("test_sleeps"), shared.lines("test_uses_the_fixture")])
+
+
+@pytest.mark.slow
+def test_a_short_pytest_timeout_option_still_shows_the_ranks_stacks(
+    pytester: pytest.Pytester,
+) -> None:
+    pytest.importorskip("pytest_timeout")
+    result = run(pytester, SHORT_TIMEOUT.format(marker=""), "--timeout=4")
     result.assert_outcomes(failed=2)
+    check_short_timeout([result.stdout])
     result.stdout.fnmatch_lines(["*did not finish within 4 s*", "*--- rank 0 ---*"] * 2)
-    result.stdout.no_fnmatch_line("*from pytest-timeout*")
 
 
 def test_the_readme_states_the_default_marker_timeout_and_what_travels() -> None:
