@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
 from ddpctx.hang.peers import describe
 from ddpctx.hang.report import PREFIX, RankState, format_report
 from ddpctx.hang.watchdog import resolve_hang_settings
-from tests.helpers import REPO, run_torchrun
+from tests.helpers import REPO, patience, run_torchrun, start_torchrun
 
 SCRIPT = REPO / "tests" / "scripts" / "hang_case.py"
 HANG_TIMEOUT = 2
@@ -47,12 +49,18 @@ def line_of(marker: str, path: Path = SCRIPT) -> str:
     return f"{path.relative_to(REPO)}:{found[0]}"
 
 
-def report_of(output: str) -> list[str]:
-    """The lines of the one hang report in ``output`` (rank prefixes removed)."""
+def reports_in(output: str) -> list[list[str]]:
+    """The lines of each hang report in ``output``, in order (rank prefixes removed)."""
     lines = [re.sub(r"^\[rank \d+\] ", "", line) for line in output.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith("ddpctx hang report:")]
-    assert len(starts) == 1, f"expected one report, found {len(starts)}:\n{output}"
-    return lines[starts[0] :]
+    return [lines[start:end] for start, end in zip(starts, [*starts[1:], len(lines)], strict=True)]
+
+
+def report_of(output: str) -> list[str]:
+    """The lines of the one hang report in ``output``."""
+    reports = reports_in(output)
+    assert len(reports) == 1, f"expected one report, found {len(reports)}:\n{output}"
+    return reports[0]
 
 
 def rank_line(report: list[str], rank: int) -> str:
@@ -65,9 +73,69 @@ def waited_seconds(line: str) -> int:
     return int(found.group(1))
 
 
-def torchrun_case(case: str, nproc: int, on_hang: str = "report") -> tuple[int, str, str]:
-    result = run_torchrun(SCRIPT, case, str(HANG_TIMEOUT), on_hang, nproc=nproc, timeout=150)
+def torchrun_case(
+    case: str, nproc: int, on_hang: str = "report", timeout: float = 150
+) -> tuple[int, str, str]:
+    result = run_torchrun(SCRIPT, case, str(HANG_TIMEOUT), on_hang, nproc=nproc, timeout=timeout)
     return result.returncode, result.stdout, result.stderr
+
+
+#: The on_hang="report" cases that one torchrun job per world size runs in turn.
+SHARED_CASES = {2: ("sleep", "raw", "ddp", "slow_save"), 3: ("sleep", "p2p", "ddp")}
+
+
+#: The first test that reads :func:`shared_jobs` (:func:`idle_jobs`) waits for their jobs.
+SHARED_JOB_BOUND = pytest.mark.timeout(900)
+
+
+@dataclass
+class Job:
+    """One torchrun job of several cases: its exit code, stdout and each case's report."""
+
+    code: int
+    out: str
+    err: str
+    reports: dict[str, list[str]]
+
+
+@pytest.fixture(scope="module")
+def shared_jobs() -> dict[int, Job]:
+    """The cases of :data:`SHARED_CASES`, one job per world size (a job's start costs 5-10 s)."""
+    jobs = {}
+    for nproc, cases in SHARED_CASES.items():
+        code, out, err = torchrun_case(",".join(cases), nproc, timeout=300)
+        reports = reports_in(err)
+        assert len(reports) == len(cases), f"{len(reports)} reports for {cases}:\n{err}"
+        jobs[nproc] = Job(code, out, err, dict(zip(cases, reports, strict=True)))
+    return jobs
+
+
+def shared_case(jobs: dict[int, Job], case: str, nproc: int) -> tuple[int, str, list[str]]:
+    """(exit code, stdout, ``case``'s report) of the shared job of ``nproc`` ranks."""
+    job = jobs[nproc]
+    return job.code, job.out, job.reports[case]
+
+
+#: Cases whose rank 0 is silent for ``8 * HANG_TIMEOUT + 4`` s, on no CPU (native sleep,
+#: SIGSTOP): their two jobs run side by side.
+IDLE_CASES = ("gil", "stopped")
+
+
+@pytest.fixture(scope="module")
+def idle_jobs() -> dict[str, tuple[int, str, str]]:
+    """``case -> (exit code, stdout, stderr)`` of the :data:`IDLE_CASES` jobs, run at once."""
+    jobs = {case: start_torchrun(SCRIPT, case, str(HANG_TIMEOUT), "report") for case in IDLE_CASES}
+    results = {}
+    try:
+        for case, job in jobs.items():
+            out, err = job.communicate(timeout=patience(150))
+            results[case] = (job.returncode, out, err)
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:  # its own session: the ranks go with it
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+    return results
 
 
 # --- 1. a rank outside any collective -------------------------------------------------------
@@ -75,9 +143,11 @@ def torchrun_case(case: str, nproc: int, on_hang: str = "report") -> tuple[int, 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 @pytest.mark.slow  # a torchrun job or a real hang timeout
-def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(nproc: int) -> None:
-    code, out, err = torchrun_case("sleep", nproc)
-    report = report_of(err)
+@SHARED_JOB_BOUND
+def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(
+    shared_jobs: dict[int, Job], nproc: int
+) -> None:
+    code, out, report = shared_case(shared_jobs, "sleep", nproc)
     assert "not in a collective" in rank_line(report, 1)
     assert line_of("SLEEP") in rank_line(report, 1)
     assert rank_line(report, 1).endswith("<- stuck here")
@@ -96,10 +166,12 @@ def test_a_rank_that_sleeps_is_named_with_its_line_while_the_others_wait(nproc: 
 
 
 @pytest.mark.slow
-def test_a_recv_names_its_peer_and_a_rank_outside_the_pair_is_not_stuck() -> None:
+@SHARED_JOB_BOUND
+def test_a_recv_names_its_peer_and_a_rank_outside_the_pair_is_not_stuck(
+    shared_jobs: dict[int, Job],
+) -> None:
     # Before: "rank 1: waiting in recv()", and rank 2 (asleep, in no pair) "<- stuck here".
-    code, out, err = torchrun_case("p2p", 3)
-    report = report_of(err)
+    code, out, report = shared_case(shared_jobs, "p2p", 3)
     receiver = rank_line(report, 1)
     assert "waiting in recv from rank 0" in receiver
     assert line_of("RECV") in receiver
@@ -118,9 +190,12 @@ def test_a_recv_names_its_peer_and_a_rank_outside_the_pair_is_not_stuck() -> Non
 
 
 @pytest.mark.slow
-def test_another_rank_reports_when_rank_0_holds_the_gil() -> None:
+@SHARED_JOB_BOUND
+def test_another_rank_reports_when_rank_0_holds_the_gil(
+    idle_jobs: dict[str, tuple[int, str, str]],
+) -> None:
     # Before: no report at all while rank 0 held the GIL (only rank 0 printed).
-    code, out, err = torchrun_case("gil", 2)
+    code, out, err = idle_jobs["gil"]
     report = report_of(err)
     silent = rank_line(report, 0)
     found = re.search(r"rank 0: not answering for (\d+) s \(it may hold the GIL", silent)
@@ -137,8 +212,11 @@ def test_another_rank_reports_when_rank_0_holds_the_gil() -> None:
 
 
 @pytest.mark.slow
-def test_another_rank_reports_when_rank_0_is_stopped() -> None:
-    code, out, err = torchrun_case("stopped", 2)
+@SHARED_JOB_BOUND
+def test_another_rank_reports_when_rank_0_is_stopped(
+    idle_jobs: dict[str, tuple[int, str, str]],
+) -> None:
+    code, out, err = idle_jobs["stopped"]
     report = report_of(err)
     assert re.search(r"rank 0: not answering for \d+ s", rank_line(report, 0))
     assert line_of("STOPPED-BARRIER") in rank_line(report, 1)
@@ -202,9 +280,9 @@ def test_on_hang_raise_ends_the_job_with_the_report_as_root_cause() -> None:
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout
-def test_a_raw_torch_distributed_collective_counts_as_waiting() -> None:
-    _, _, err = torchrun_case("raw", 2)
-    report = report_of(err)
+@SHARED_JOB_BOUND
+def test_a_raw_torch_distributed_collective_counts_as_waiting(shared_jobs: dict[int, Job]) -> None:
+    _, _, report = shared_case(shared_jobs, "raw", 2)
     assert "waiting in all_reduce()" in rank_line(report, 1)
     assert line_of("RAW") in rank_line(report, 1)
     assert "not in a collective" in rank_line(report, 0)
@@ -213,9 +291,11 @@ def test_a_raw_torch_distributed_collective_counts_as_waiting() -> None:
 
 @pytest.mark.parametrize("nproc", [2, 3])
 @pytest.mark.slow  # a torchrun job or a real hang timeout
-def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(nproc: int) -> None:
-    code, out, err = torchrun_case("ddp", nproc)
-    report = report_of(err)
+@SHARED_JOB_BOUND
+def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(
+    shared_jobs: dict[int, Job], nproc: int
+) -> None:
+    code, out, report = shared_case(shared_jobs, "ddp", nproc)
     assert "not in a collective" in rank_line(report, 1)
     assert line_of("SKIP") in rank_line(report, 1)
     for rank in {0, 2} & set(range(nproc)):
@@ -230,9 +310,12 @@ def test_a_rank_that_skips_backward_is_named_the_others_wait_in_ddp_backward(npr
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout
-def test_a_slow_checkpoint_write_is_reported_once_and_the_job_succeeds() -> None:
-    code, out, err = torchrun_case("slow_save", 2)
-    report = report_of(err)  # exactly one
+@SHARED_JOB_BOUND
+def test_a_slow_checkpoint_write_is_reported_once_and_the_job_succeeds(
+    shared_jobs: dict[int, Job],
+) -> None:
+    # Once: the shared job's reports are exactly one per case (checked by shared_jobs).
+    code, out, report = shared_case(shared_jobs, "slow_save", 2)
     assert line_of("SLOW-WRITE") in rank_line(report, 0)
     assert "waiting in" in rank_line(report, 1)
     assert code == 0

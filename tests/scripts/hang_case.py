@@ -1,10 +1,12 @@
-"""A rank misbehaves on purpose for the hang doctor: ``hang_case.py CASE SECONDS [ON_HANG]``.
+"""Ranks misbehave on purpose for the hang doctor: ``hang_case.py CASES SECONDS [ON_HANG]``.
 
-Cases (``SECONDS`` is ``hang_timeout``). A late rank comes back once the hang report is
-published in the job's store -- an event it can observe, so the job is neither slower than it
-needs to be on an idle machine nor too quick for the report on a busy one -- so
-``on_hang="report"`` jobs end successfully (a report that never comes fails the job after
-``GIVE_UP``):
+``CASES`` is one case or several, comma-separated (``sleep,raw,ddp``): one job runs them in
+turn, each its own incident (the n-th case's report is incident n's), so several cases pay
+for one job's start. Cases (``SECONDS`` is ``hang_timeout``). A late rank comes back once
+its case's hang report is published in the job's store -- an event it can observe, so the
+job is neither slower than it needs to be on an idle machine nor too quick for the report
+on a busy one -- so ``on_hang="report"`` jobs end successfully (a report that never comes
+fails the job after ``GIVE_UP``):
 
 - ``sleep``: rank 1 sleeps outside any collective; the others wait in ``ctx.barrier()``.
 - ``diverge``: rank 0 waits in ``ctx.barrier()``, rank 1 in an ``@all_reduced`` function.
@@ -32,16 +34,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from ddpctx import all_reduced, distributed, rank_zero_only
+from ddpctx import all_reduced, current, distributed, rank_zero_only
 from ddpctx.hang.report import PREFIX
 
-case, seconds = sys.argv[1], float(sys.argv[2])
+cases, seconds = sys.argv[1], float(sys.argv[2])
 on_hang = sys.argv[3] if len(sys.argv) > 3 else "report"
 GIVE_UP_S = 120
 
 
 class Reported(threading.Event):
-    """Set once the first incident's report is published (by rank 0 or a stand-in).
+    """Set once incident ``incident``'s report is published (by rank 0 or a stand-in).
 
     A thread polls the store: a wait on the store itself would hold its one connection,
     and this rank's watchdog could not answer. Under ``on_hang="raise"`` it is never set
@@ -50,15 +52,16 @@ class Reported(threading.Event):
     store goes: a thread inside a store call when the process exits aborts it (SIGABRT).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, incident: int) -> None:
         super().__init__()
+        self.incident = incident
         self.poller = threading.Thread(target=self._poll, daemon=True)
         if on_hang == "report":
             self.poller.start()
 
     def _poll(self) -> None:
         store = distributed_c10d._get_default_store()
-        while not store.check([f"{PREFIX}1/report"]):
+        while not store.check([f"{PREFIX}{self.incident}/report"]):
             time.sleep(0.05)
         self.set()
 
@@ -77,9 +80,9 @@ def write_checkpoint() -> None:
     reported.wait(GIVE_UP_S)  # SLOW-WRITE
 
 
-with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
-    reported = Reported()
-    ctx.barrier()
+def run_case(case: str) -> None:
+    ctx = current()
+    assert ctx is not None
     if case == "sleep":
         if ctx.rank == 1:
             reported.wait(GIVE_UP_S)  # SLEEP
@@ -124,5 +127,12 @@ with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
             resume = threading.Timer(8 * seconds + 4, os.kill, (pids[0], signal.SIGCONT))
             resume.start()
         dist.barrier()  # STOPPED-BARRIER
-    reported.close()
+
+
+with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
+    for incident, case in enumerate(cases.split(","), 1):
+        reported = Reported(incident)
+        ctx.barrier()
+        run_case(case)
+        reported.close()
     ctx.print("JOB-DONE")
