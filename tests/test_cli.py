@@ -6,6 +6,8 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,40 @@ def ddpctx(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
         env=child_env(**extra_env),
         cwd=REPO,
     )
+
+
+@dataclass
+class Outcome:
+    """What ``main(args)`` returned (or exited with) and printed, like a finished process."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., Outcome]:
+    """``in_process(*args, **env)``: the CLI's ``main`` in this process, as :func:`ddpctx` runs it.
+
+    Commands that need no process of their own run here, without a torch import of
+    their own each (2-3 s); the console script and ``python -m ddpctx`` are run as
+    processes by the tests that name them.
+    """
+
+    def run(*args: str, **extra_env: str) -> Outcome:
+        for name, value in extra_env.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        out, err = capsys.readouterr()
+        return Outcome(code, out, err)
+
+    return run
 
 
 def ddpctx_under_torchrun(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
@@ -77,15 +113,14 @@ def test_check_help_shows_the_defaults_and_the_unit() -> None:
     )
 
 
-def test_version_prints_the_package_version() -> None:
-    result = ddpctx("--version")
+def test_version_prints_the_package_version(in_process: Callable[..., Outcome]) -> None:
+    result = in_process("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"ddpctx {__version__}"
 
 
-@pytest.mark.slow
-def test_env_reports_a_single_process_here_as_json() -> None:
-    result = ddpctx("env", "--json")
+def test_env_reports_a_single_process_here_as_json(in_process: Callable[..., Outcome]) -> None:
+    result = in_process("env", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert (report["launcher"], report["world_size"], report["backend"], report["device"]) == (
@@ -99,9 +134,8 @@ def test_env_reports_a_single_process_here_as_json() -> None:
     assert report["problem"] is None
 
 
-@pytest.mark.slow
-def test_env_reads_the_launchers_variables() -> None:
-    result = ddpctx(
+def test_env_reads_the_launchers_variables(in_process: Callable[..., Outcome]) -> None:
+    result = in_process(
         "env",
         RANK="3",
         WORLD_SIZE="4",
@@ -122,9 +156,8 @@ def test_env_reads_the_launchers_variables() -> None:
         assert line in result.stdout
 
 
-@pytest.mark.slow
-def test_env_names_a_bad_variable_and_exits_non_zero() -> None:
-    result = ddpctx("env", RANK="0")
+def test_env_names_a_bad_variable_and_exits_non_zero(in_process: Callable[..., Outcome]) -> None:
+    result = in_process("env", RANK="0")
     assert result.returncode == 1
     assert re.search(r"problem +ValueError: RANK='0' is set but WORLD_SIZE is not", result.stdout)
 
@@ -164,10 +197,9 @@ def test_env_names_every_bad_option_at_once(monkeypatch: pytest.MonkeyPatch) -> 
         assert named in problem
 
 
-@pytest.mark.slow
-def test_check_refuses_a_message_too_large_in_one_line() -> None:
+def test_check_refuses_a_message_too_large_in_one_line(in_process: Callable[..., Outcome]) -> None:
     # Before: a 35-line traceback from the ranks' allocation.
-    result = ddpctx("check", "--sizes", "99999999999")
+    result = in_process("check", "--sizes", "99999999999")
     assert result.returncode == 2
     errors = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr
