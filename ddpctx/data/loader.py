@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import itertools
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -116,7 +115,13 @@ class SeededIndices(list[int]):
 
 
 class SeededBatches(Sampler[list[int]]):
-    """Batches of ``sampler``'s indices, each tagged with its per-batch seed."""
+    """Batches of ``sampler``'s indices, each tagged with its per-batch seed.
+
+    ``tagged = False`` yields plain lists: for a loader without workers, where
+    nothing is re-seeded, so a tag would only cost time.
+    """
+
+    tagged = True
 
     def __init__(
         self, sampler: ShardSampler, batch_size: int, drop_last: bool, base_seed: int
@@ -132,14 +137,16 @@ class SeededBatches(Sampler[list[int]]):
         return batch
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices = iter(self.sampler)
-        first = self.sampler.skip
-        while True:
-            batch = list(itertools.islice(indices, self.batch_size))
-            if not batch or (self.drop_last and len(batch) < self.batch_size):
-                return
-            yield self._tagged(batch, first)
-            first += len(batch)
+        indices = self.sampler.indices()
+        size = self.batch_size
+        starts = range(0, len(indices) - size + 1 if self.drop_last else len(indices), size)
+        if not self.tagged:
+            for start in starts:
+                yield indices[start : start + size]
+            return
+        skipped = self.sampler.skip
+        for start in starts:
+            yield self._tagged(indices[start : start + size], skipped + start)
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -171,6 +178,7 @@ class ShardLoader(DataLoader[Any]):
         object.__setattr__(self, "sampler", batches.sampler)
         object.__setattr__(self, "drop_last", batches.drop_last)
         self.shard: ShardSampler = batches.sampler
+        self.batches = batches
         self.name = name
         self.target_device = device
         self._non_blocking = device is not None and device.type == "cuda" and self.pin_memory
@@ -223,6 +231,7 @@ class ShardLoader(DataLoader[Any]):
         the fork moves everything that exists now into the permanent generation
         of the children; the rank unfreezes at once and collects as usual.
         """
+        self.batches.tagged = self.num_workers > 0  # only workers re-seed per batch
         if self.num_workers == 0:
             return super().__iter__()
         gc.freeze()

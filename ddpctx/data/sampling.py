@@ -69,11 +69,23 @@ def deal(length: int, world_size: int, rank: int, pad: bool, done: np.ndarray) -
     >>> deal(5, 2, 1, pad=True, done=np.zeros(5, dtype=bool))
     [1, 3, 0]
     """
-    left: list[int] = np.flatnonzero(~done).tolist()
-    if pad and left:
-        total = math.ceil(len(left) / world_size) * world_size
-        left = (left * math.ceil(total / len(left)))[:total]
-    return left[rank::world_size]
+    return share(np.flatnonzero(~done).tolist(), world_size, rank, pad)
+
+
+def share(items: list[int], world_size: int, rank: int, pad: bool) -> list[int]:
+    """Rank ``rank``'s round-robin share of ``items``; ``pad`` first repeats their start.
+
+    Dealing the order's samples gives what dealing its positions and then
+    looking them up gives, without the lookup (an epoch's indices in one slice).
+
+    >>> share([7, 8, 9, 6, 5], 2, 1, pad=True)
+    [8, 6, 7]
+    """
+    if pad and items:
+        total = math.ceil(len(items) / world_size) * world_size
+        if total > len(items):
+            items = (items * math.ceil(total / len(items)))[:total]
+    return items[rank::world_size]
 
 
 def deal_length(length: int, world_size: int, rank: int, pad: bool, left: int) -> int:
@@ -147,13 +159,19 @@ class ShardSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.length, generator=generator).tolist()
 
-    def __iter__(self) -> Iterator[int]:
+    def indices(self) -> list[int]:
+        """Start a pass: the sample indices it reads, in order (what ``iter`` yields)."""
         self.skip, self._done = self.plan()
         self._resume = None  # a later pass of the same epoch (evaluation again) reads it all
         order = self.order()
-        done = done_mask(self.length, self._done)
-        spots = deal(self.length, self.num_replicas, self.rank, self.pad, done)
-        return iter([order[spot] for spot in spots[self.skip :]])
+        if self._done:  # only the samples at positions not done are dealt
+            left = np.flatnonzero(~done_mask(self.length, self._done)).tolist()
+            order = [order[spot] for spot in left]
+        mine = share(order, self.num_replicas, self.rank, self.pad)
+        return mine[self.skip :] if self.skip else mine
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices())
 
     def __len__(self) -> int:
         skip, packed = self.plan()
