@@ -1,20 +1,24 @@
-"""The batches a rank's loader deals, fast: the same indices and seeds as before.
+"""The batches a rank's loader deals, fast: the same indices, seeds and devices as before.
 
 Issue 23 made a batch a slice of the epoch's index list (no per-sample
-iterator) and a loader without workers yield plain lists (nothing re-seeds
-there). The reference below is the algorithm those replaced: each dealt
-order position looked up one by one, batches cut by ``islice``.
+iterator), a loader without workers yield plain lists (nothing re-seeds
+there), and ``to_device`` return a list or tuple of tensors already on the
+device without calling ``.to``. The reference below is the algorithm those
+replaced: each dealt order position looked up one by one, batches cut by
+``islice``.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpctx import distributed
-from ddpctx.data.loader import SeededBatches, SeededIndices
+from ddpctx.data.loader import SeededBatches, SeededIndices, to_device
 from ddpctx.data.sampling import Position, ShardSampler, deal, deal_length, done_mask
 
 
@@ -97,3 +101,45 @@ def test_a_loader_tags_its_batches_with_seeds_only_when_workers_read_them() -> N
         read = ctx.dataloader(list(range(8)), batch_size=4, collate_fn=list, num_workers=1)
         assert list(read) == without_workers  # the same indices, read by a worker
         assert read.batches.tagged
+
+
+def test_a_list_or_tuple_of_tensors_already_there_is_the_same_object() -> None:
+    cpu = torch.device("cpu")
+    pair = [torch.ones(2), torch.zeros(1)]
+    assert to_device(pair, cpu, non_blocking=False) is pair
+    as_tuple = tuple(pair)
+    assert to_device(as_tuple, cpu, non_blocking=False) is as_tuple
+    triple = (torch.ones(1), torch.ones(1), torch.ones(1))
+    assert to_device(triple, cpu, non_blocking=False) is triple
+    assert to_device([], cpu, non_blocking=False) == []
+
+
+def test_a_list_with_one_tensor_elsewhere_is_moved_and_keeps_its_type() -> None:
+    meta = torch.device("meta")
+    moved = to_device([torch.empty(1, device="meta"), torch.ones(1)], meta, non_blocking=False)
+    assert type(moved) is list
+    assert [item.device.type for item in moved] == ["meta", "meta"]
+    moved_tuple = to_device((torch.ones(1), "label"), meta, non_blocking=False)
+    assert type(moved_tuple) is tuple
+    assert moved_tuple[0].device.type == "meta"
+    assert moved_tuple[1] == "label"
+
+
+class Recorded(torch.Tensor):
+    """A tensor subclass whose own ``to`` must still be called, also when nothing moves."""
+
+    calls = 0
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        Recorded.calls += 1
+        return super().to(*args, **kwargs)
+
+
+def test_a_tensor_subclass_still_goes_through_its_own_to() -> None:
+    Recorded.calls = 0
+    batch = [torch.ones(1).as_subclass(Recorded), torch.ones(1)]
+    assert to_device(batch, torch.device("cpu"), non_blocking=False) is batch
+    assert Recorded.calls == 1
+    parameter = torch.nn.Parameter(torch.ones(1))
+    params = [parameter]
+    assert to_device(params, torch.device("cpu"), non_blocking=False) is params
