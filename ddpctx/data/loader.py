@@ -164,6 +164,21 @@ class SeededBatches(Sampler[list[int]]):
         return -(-len(self.sampler) // self.batch_size)
 
 
+@dataclasses.dataclass(slots=True)
+class _PassState:
+    """The pass under way, or the last one run; a plain object, not loader attributes.
+
+    Counting a batch is then one slot store: an attribute of the loader goes
+    through ``DataLoader.__setattr__``, a Python method, on every batch.
+    """
+
+    epoch: int = -1  # the epoch of the pass
+    available: int = 0  # samples it has to hand out
+    batches_out: int = 0  # batches it has handed out
+    complete: bool = False
+    running: bool = False
+
+
 class ShardLoader(DataLoader[Any]):
     """A DataLoader over one rank's shard that moves batches and knows its position.
 
@@ -192,12 +207,8 @@ class ShardLoader(DataLoader[Any]):
         self.name = name
         self.target_device = device
         self._non_blocking = device is not None and device.type == "cuda" and self.pin_memory
-        self._pass_epoch = -1  # the epoch of the pass under way (or last run)
-        self._handed_out = 0  # samples handed out by that pass
-        self._available = 0  # samples that pass has to hand out
+        self._pass = _PassState()
         self.shard_batch_size = batches.batch_size
-        self._complete = False
-        self._in_pass = False
 
     @property
     def description(self) -> str:
@@ -214,21 +225,21 @@ class ShardLoader(DataLoader[Any]):
         return f"name={self.name!r}" if self.name is not None else self.description
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        self._pass_epoch = self.shard.epoch
-        self._available = len(self.shard)  # before the pass consumes the resume point
-        self._handed_out = 0
-        self._complete = False
-        self._in_pass = True
+        state = self._pass  # one object, reset in place: iterators of the loader share it
+        state.epoch = self.shard.epoch
+        state.available = len(self.shard)  # before the pass consumes the resume point
+        state.batches_out = 0
+        state.complete = False
+        state.running = True
         batches = self._start_pass()
+        device, non_blocking = self.target_device, self._non_blocking
         try:
             for batch in batches:
-                self._handed_out = min(self._handed_out + self.shard_batch_size, self._available)
-                if self.target_device is not None:
-                    batch = to_device(batch, self.target_device, self._non_blocking)
-                yield batch
-            self._complete = True
+                state.batches_out += 1
+                yield batch if device is None else to_device(batch, device, non_blocking)
+            state.complete = True
         finally:
-            self._in_pass = False
+            state.running = False
 
     def _start_pass(self) -> Iterator[Any]:
         """DataLoader's iterator; worker processes forked now never collect the parent's objects.
@@ -255,11 +266,16 @@ class ShardLoader(DataLoader[Any]):
 
         The pass under way, or else the next one.
         """
-        if self._in_pass:
+        if self._pass.running:
             skip, done = self.shard.skip, self.shard.done_bytes()
         else:
             skip, done = self.shard.plan()
         return skip, self.shard.deal_size(done), self.shard.done_count(done)
+
+    @property
+    def _handed_out(self) -> int:
+        """Samples handed out by the pass (the last batch may be short)."""
+        return min(self._pass.batches_out * self.shard_batch_size, self._pass.available)
 
     def _batches(self, samples: int) -> int:
         size = self.shard_batch_size
@@ -286,10 +302,10 @@ class ShardLoader(DataLoader[Any]):
 
         See :class:`~ddpctx.data.sampling.Position` for what the counts and mask mean.
         """
-        if self._pass_epoch != self.shard.epoch:
+        if self._pass.epoch != self.shard.epoch:
             return self.shard.epoch, 0, False, b""  # this epoch's pass has not started
         consumed = self.shard.skip + self._handed_out
-        return self.shard.epoch, consumed, self._complete, self.shard.done_bytes()
+        return self.shard.epoch, consumed, self._pass.complete, self.shard.done_bytes()
 
     def batch_numbers(self) -> tuple[int, int]:
         """(number of the batch last handed out, batches in this epoch), counted from 1."""
