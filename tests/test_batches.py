@@ -31,7 +31,8 @@ def reference_batches(
     done = done_mask(sampler.length, packed)
     spots = deal(sampler.length, sampler.num_replicas, sampler.rank, sampler.pad, done)
     indices = iter([order[spot] for spot in spots[skip:]])
-    batches, first = [], skip
+    batches: list[tuple[list[int], int]] = []
+    first = skip
     while True:
         batch = list(itertools.islice(indices, batch_size))
         if not batch or (drop_last and len(batch) < batch_size):
@@ -130,7 +131,7 @@ class Recorded(torch.Tensor):
 
     calls = 0
 
-    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> Any:
         Recorded.calls += 1
         return super().to(*args, **kwargs)
 
