@@ -9,13 +9,16 @@ reference covers every public name.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,49 +46,61 @@ def test_the_documents_have_examples() -> None:
     assert any("ddpctx.launch(" in code for where, code in BLOCKS if where.startswith("README"))
 
 
-@pytest.mark.parametrize(("where", "code"), BLOCKS, ids=[where for where, _ in BLOCKS])
-@pytest.mark.slow
-def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
+def run_example(source: str, folder: Path) -> subprocess.CompletedProcess[str]:
+    """``python example.py`` in ``folder``, with ``source`` as the script, bounded in time."""
+    folder.mkdir(exist_ok=True)
+    (folder / "example.py").write_text(source)
+    return subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=folder,
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=180,
     )
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """``examples(where)``: that block's run in a fresh folder, once per session.
+
+    The README's resumable example is run by :func:`test_example_runs` and, whole,
+    as the reference of the stopped-and-resumed run: one run serves both.
+    """
+    code_of = dict(BLOCKS)
+
+    @functools.cache
+    def run(where: str) -> subprocess.CompletedProcess[str]:
+        return run_example(code_of[where], tmp_path_factory.mktemp("example"))
+
+    return run
+
+
+@pytest.mark.parametrize("where", [where for where, _ in BLOCKS])
+@pytest.mark.slow
+def test_example_runs(where: str, examples: Callable[[str], Any]) -> None:
+    result = examples(where)
     assert result.returncode == 0, f"{where} failed:\n{result.stderr[-3000:]}"
+    code = dict(BLOCKS)[where]
     if where.startswith("README") and "ddpctx.launch(" in code:  # the launch example prints
         assert result.stdout == "[0, 10]\n"
 
 
 @pytest.mark.slow
 def test_the_readme_example_stopped_mid_epoch_logs_the_same_steps_once_resumed(
-    tmp_path: Path,
+    tmp_path: Path, examples: Callable[[str], Any]
 ) -> None:
-    (code,) = [code for _, code in BLOCKS if 'ctx.load_checkpoint("runs/together"' in code]
+    ((where, code),) = [
+        (where, code) for where, code in BLOCKS if 'ctx.load_checkpoint("runs/together"' in code
+    ]
     save = '                )\n        log(f"epoch {epoch}: validation'
     assert code.count(save) == 1
     stop = "                )\n                if step == 20:\n                    os._exit(3)\n"
     killed = "import os\n" + code.replace(save, stop + save[18:])
 
-    def run(source: str, folder: Path) -> subprocess.CompletedProcess[str]:
-        folder.mkdir(exist_ok=True)
-        (folder / "example.py").write_text(source)
-        return subprocess.run(
-            [sys.executable, "example.py"],
-            cwd=folder,
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
-    whole = run(code, tmp_path / "whole")
-    first = run(killed, tmp_path / "resumed")
-    second = run(code, tmp_path / "resumed")
+    whole = examples(where)
+    first = run_example(killed, tmp_path / "resumed")
+    second = run_example(code, tmp_path / "resumed")
     assert (whole.returncode, first.returncode, second.returncode) == (0, 3, 0), second.stderr
     lines = whole.stdout.splitlines()
     assert first.stdout.splitlines() == lines[:6]  # stopped after epoch 1, batch 4
