@@ -703,3 +703,33 @@ def test_the_readme_states_the_default_marker_timeout_and_what_travels() -> None
     section = readme[readme.index("pytest plugin") :]
     for phrase in ("60 s", "isolated=True", "init=False", "dist_world_size", "module globals"):
         assert phrase in section, phrase
+
+
+def test_pytest_timeouts_backstop_for_a_test_with_ranks_is_stretched_with_the_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found under four busy loops and two xdist workers on 2 cores: stopping the ranks of a
+    # test past --timeout=4 took more than the fixed 15 s grace, and pytest-timeout fired
+    # inside the plugin (test_a_short_pytest_timeout_option_still_shows_the_ranks_stacks).
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from ddpctx.testing import plugin
+
+    Settings = namedtuple("Settings", "timeout method")
+    given: list[float] = []
+
+    def set_timer(item: object, settings: Settings) -> bool:  # pytest-timeout's own hook
+        given.append(settings.timeout)
+        return True
+
+    timeout_plugin = SimpleNamespace(pytest_timeout_set_timer=set_timer)
+    item = SimpleNamespace(
+        get_closest_marker=lambda name: object() if name == "distributed" else None,
+        config=SimpleNamespace(pluginmanager=SimpleNamespace(getplugin=lambda _: timeout_plugin)),
+    )
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for load, stretch in [(0.5, 1.0), (2.0, 1.0), (8.0, 4.0), (100.0, plugin.MAX_GRACE_STRETCH)]:
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert plugin.pytest_timeout_set_timer(item, Settings(4.0, "signal")) is True  # type: ignore[arg-type]
+        assert given[-1] == 4.0 + plugin.REPORT_GRACE_S * stretch

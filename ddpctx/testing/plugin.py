@@ -32,6 +32,7 @@ time: pytest loads it in every session.
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -294,16 +295,34 @@ def _rank_timeout(item: pytest.Item, timeout: float) -> float:
     return float(min(timeout, outer))
 
 
-#: Seconds pytest-timeout's timer is moved back for a test that starts ranks:
-#: time to collect every rank's stack and stop them, under load too.
+#: Seconds pytest-timeout's timer is moved back for a test that starts ranks, on an idle
+#: machine: time to collect every rank's stack and stop them (:func:`report_grace`).
 REPORT_GRACE_S = 15.0
+#: The most :data:`REPORT_GRACE_S` is stretched on a loaded machine.
+MAX_GRACE_STRETCH = 6.0
+
+
+def report_grace() -> float:
+    """:data:`REPORT_GRACE_S`, stretched by the load per core now (1 to 6x).
+
+    Stopping ranks ends in the kernel tearing down their processes, which on an
+    oversubscribed machine took past 15 s (four busy loops and two test
+    workers on 2 cores): pytest-timeout then fired while the plugin was
+    stopping the ranks, and the failure showed the plugin's frames instead of
+    the ranks' stacks. The ranks' own limit is not stretched; only the backstop.
+
+    >>> REPORT_GRACE_S <= report_grace() <= REPORT_GRACE_S * MAX_GRACE_STRETCH
+    True
+    """
+    load_per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return REPORT_GRACE_S * min(MAX_GRACE_STRETCH, max(1.0, load_per_core))
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     """pytest-timeout's hook: for a test that starts ranks, its timer fires later.
 
-    It fires :data:`REPORT_GRACE_S` later, while the ranks stop at the shorter
+    It fires :func:`report_grace` later, while the ranks stop at the shorter
     limit (:func:`_rank_timeout`). Without it a short ``--timeout`` (6 s or
     less) interrupted this process while the ranks' stacks were being
     collected, and the failure showed the plugin's frames instead of the ranks'.
@@ -316,7 +335,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     if not uses_ranks or default is None or not hasattr(settings, "_replace"):
         return None
     result: bool | None = default(
-        item=item, settings=settings._replace(timeout=settings.timeout + REPORT_GRACE_S)
+        item=item, settings=settings._replace(timeout=settings.timeout + report_grace())
     )
     return result
 
