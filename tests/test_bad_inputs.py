@@ -491,6 +491,27 @@ ROWS = [
     ),
     Row(
         "data",
+        "ctx.dataloader(device='cuda') without CUDA",
+        ValueError,
+        "CUDA is not available here",
+        in_context(lambda c, t: c.dataloader([1], 1, device="cuda")),
+    ),
+    Row(
+        "data",
+        "ctx.dataloader(device='gpu')",
+        ValueError,
+        "device='gpu'): not a torch device",
+        in_context(lambda c, t: c.dataloader([1], 1, device="gpu")),
+    ),
+    Row(
+        "data",
+        "ctx.dataloader(shuffle='yes')",
+        ValueError,
+        "shuffle='yes'): must be True or False",
+        in_context(lambda c, t: c.dataloader([1], 1, shuffle="yes")),
+    ),
+    Row(
+        "data",
         "epochs(3, start=4)",
         ValueError,
         "start=4 is past n=3",
@@ -709,3 +730,33 @@ def markdown_table() -> str:
 
 if __name__ == "__main__":
     print(markdown_table())
+
+
+def test_a_cuda_device_past_the_last_gpu_is_refused_when_the_loader_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by an outside attack: device="cuda" without CUDA was accepted and failed at the
+    # first batch with torch's "Torch not compiled with CUDA enabled". CUDA faked here.
+    from ddpctx.data.dataloader import loader_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert loader_device("cuda:1") == torch.device("cuda", 1)
+    assert loader_device("cuda") == torch.device("cuda")
+    with pytest.raises(ValueError, match=r"device='cuda:2'\): this machine has 2 CUDA device"):
+        loader_device("cuda:2")
+
+
+def test_shuffle_and_pad_take_bools_numpy_bools_and_0_or_1() -> None:
+    import numpy as np
+
+    from ddpctx import distributed
+
+    with distributed(seed=0) as context:
+        ctx: Any = context  # flags of other types, on purpose
+        for flag in (True, False, np.True_, np.False_, 1, 0):
+            loader = ctx.dataloader(list(range(6)), 2, shuffle=flag, pad=flag)
+            assert loader.sampler.shuffle is bool(flag)
+        for bad in ("no", None, 2, 0.5):
+            with pytest.raises(ValueError, match="must be True or False"):
+                ctx.dataloader(list(range(6)), 2, pad=bad)

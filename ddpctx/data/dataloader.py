@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -63,6 +64,50 @@ class SeedWorkers:
 _OWN_ARGUMENTS = ("sampler", "batch_sampler")
 
 
+def loader_device(device: torch.device | str) -> torch.device:
+    """``ctx.dataloader``'s ``device=`` as a ``torch.device``, refused at once if unusable.
+
+    A CUDA device on a machine without CUDA (or past its last GPU) would
+    otherwise fail at the first batch, inside torch, without naming ``device=``.
+
+    >>> loader_device("cpu")
+    device(type='cpu')
+    >>> loader_device("gpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: ctx.dataloader(device='gpu'): not a torch device (...). ...
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"ctx.dataloader(device={device!r}): not a torch device ({error}). Leave it out "
+            "(batches go to ctx.device), or pass e.g. 'cpu', 'cuda', or None to leave them alone."
+        ) from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"ctx.dataloader(device={device!r}): CUDA is not available here "
+                "(torch.cuda.is_available() is False). Leave device out (batches go to "
+                "ctx.device, the CPU here), or pass device=None to leave them where they are."
+            )
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(
+                f"ctx.dataloader(device={device!r}): this machine has {count} CUDA device(s), "
+                f"cuda:0 to cuda:{count - 1}. Leave device out (batches go to ctx.device, "
+                "this rank's GPU)."
+            )
+    return parsed
+
+
+def _flag(name: str, value: object) -> bool:
+    """``shuffle`` / ``pad`` as a bool; a string or None is refused (``"no"`` is truthy)."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"ctx.dataloader({name}={value!r}): must be True or False.")
+
+
 def make_dataloader(
     dataset: Dataset[Any],
     batch_size: int,
@@ -84,6 +129,7 @@ def make_dataloader(
     On rank 0, private random generators in the dataset or ``collate_fn`` are
     named in a warning (see :mod:`ddpctx.data.generators`).
     """
+    shuffle, pad = _flag("shuffle", shuffle), _flag("pad", pad)
     if isinstance(dataset, IterableDataset):
         raise TypeError(
             f"ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); got "

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddpctx.data.book import LoaderBook
-from ddpctx.data.dataloader import epochs, make_dataloader
+from ddpctx.data.dataloader import epochs, loader_device, make_dataloader
 
 
 class DataFaces:
@@ -70,7 +70,7 @@ class DataFaces:
             rank=self.rank,
             world_size=self.world_size,
             loader_kwargs=loader_kwargs,
-            device=None if target is None else torch.device(target),
+            device=None if target is None else loader_device(target),
             name=name,
         )
         self._loader_book.add(loader)
