@@ -173,3 +173,21 @@ def listening_addresses(pid: int) -> list[str]:
             address = socket.inet_ntop(family, b"".join(words))
             found.append(f"{address}:{int(port_hex, 16)}")
     return found
+
+
+def store_sync(key: str, world_size: int, give_up_s: float = 120.0) -> None:
+    """In a rank: wait until ``world_size`` ranks reached ``key``, over the job's store.
+
+    Not a collective, so a rank that arrives late on a loaded machine is no hang to
+    the hang doctor, and no collective timeout can fire: scripts that test a hang
+    line their ranks up with it before the hang they stage.
+    """
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    store.add(key, 1)
+    deadline = time.monotonic() + give_up_s
+    while int(store.add(key, 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{world_size} ranks did not reach {key!r} in {give_up_s} s")
+        time.sleep(0.02)

@@ -714,7 +714,7 @@ def test_pytest_timeouts_backstop_for_a_test_with_ranks_is_stretched_with_the_lo
     from collections import namedtuple
     from types import SimpleNamespace
 
-    from ddpctx.testing import plugin
+    from ddpctx.testing import options, plugin
 
     Settings = namedtuple("Settings", "timeout method")
     given: list[float] = []
@@ -729,7 +729,7 @@ def test_pytest_timeouts_backstop_for_a_test_with_ranks_is_stretched_with_the_lo
         config=SimpleNamespace(pluginmanager=SimpleNamespace(getplugin=lambda _: timeout_plugin)),
     )
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    for load, stretch in [(0.5, 1.0), (2.0, 1.0), (8.0, 4.0), (100.0, plugin.MAX_GRACE_STRETCH)]:
+    for load, stretch in [(0.5, 1.0), (2.0, 1.0), (8.0, 4.0), (100.0, options.MAX_GRACE_STRETCH)]:
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
         assert plugin.pytest_timeout_set_timer(item, Settings(4.0, "signal")) is True  # type: ignore[arg-type]
-        assert given[-1] == 4.0 + plugin.REPORT_GRACE_S * stretch
+        assert given[-1] == 4.0 + options.REPORT_GRACE_S * stretch

@@ -32,7 +32,6 @@ time: pytest loads it in every session.
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,6 +46,7 @@ from ddpctx.testing.options import (
     Options,
     parameters,
     read,
+    report_grace,
 )
 from ddpctx.testing.rankside import (
     CAPTURE_FIXTURES,
@@ -271,7 +271,7 @@ def _rank_timeout(item: pytest.Item, timeout: float) -> float:
     """The ranks' timeout: the marker's (or the call's), or pytest-timeout's if shorter.
 
     pytest-timeout's own timer for the test is moved back by
-    :data:`REPORT_GRACE_S` (:func:`pytest_timeout_set_timer`), so the ranks
+    :func:`~ddpctx.testing.options.report_grace` (:func:`pytest_timeout_set_timer`), so the ranks
     stop at the shorter limit and the report with every rank's stack comes
     first; pytest-timeout stays the backstop.
     """
@@ -293,29 +293,6 @@ def _rank_timeout(item: pytest.Item, timeout: float) -> float:
     if outer <= 0:
         return timeout
     return float(min(timeout, outer))
-
-
-#: Seconds pytest-timeout's timer is moved back for a test that starts ranks, on an idle
-#: machine: time to collect every rank's stack and stop them (:func:`report_grace`).
-REPORT_GRACE_S = 15.0
-#: The most :data:`REPORT_GRACE_S` is stretched on a loaded machine.
-MAX_GRACE_STRETCH = 6.0
-
-
-def report_grace() -> float:
-    """:data:`REPORT_GRACE_S`, stretched by the load per core now (1 to 6x).
-
-    Stopping ranks ends in the kernel tearing down their processes, which on an
-    oversubscribed machine took past 15 s (four busy loops and two test
-    workers on 2 cores): pytest-timeout then fired while the plugin was
-    stopping the ranks, and the failure showed the plugin's frames instead of
-    the ranks' stacks. The ranks' own limit is not stretched; only the backstop.
-
-    >>> REPORT_GRACE_S <= report_grace() <= REPORT_GRACE_S * MAX_GRACE_STRETCH
-    True
-    """
-    load_per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
-    return REPORT_GRACE_S * min(MAX_GRACE_STRETCH, max(1.0, load_per_core))
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

@@ -31,11 +31,13 @@ import threading
 import time
 
 import torch
+import torch._dynamo  # DDP's constructor imports it: before the ranks line up, not in a case
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from ddpctx import all_reduced, current, distributed, rank_zero_only
 from ddpctx.hang.report import PREFIX
+from tests.helpers import store_sync
 
 cases, seconds = sys.argv[1], float(sys.argv[2])
 on_hang = sys.argv[3] if len(sys.argv) > 3 else "report"
@@ -132,7 +134,9 @@ def run_case(case: str) -> None:
 with distributed(hang_timeout=seconds, on_hang=on_hang, timeout=120) as ctx:
     for incident, case in enumerate(cases.split(","), 1):
         reported = Reported(incident)
-        ctx.barrier()
+        # Lined up over the store, not in a collective: under load a rank may arrive
+        # seconds late, and a wait that long in a collective is an incident of its own.
+        store_sync(f"case{incident}", ctx.world_size)
         run_case(case)
         reported.close()
     ctx.print("JOB-DONE")

@@ -12,11 +12,13 @@ import threading
 import time
 
 import torch
+import torch.distributed.fsdp  # imported before the ranks line up (ctx.shard imports it)
 from torch import nn
 from torch.distributed import distributed_c10d
 
 from ddpctx import distributed
 from ddpctx.hang.report import PREFIX
+from tests.helpers import store_sync
 
 case, seconds = sys.argv[1], float(sys.argv[2])
 GIVE_UP_S = 120
@@ -37,9 +39,12 @@ def when_reported() -> tuple[threading.Event, threading.Thread]:
 
 
 with distributed(hang_timeout=seconds, timeout=120) as ctx:
+    # Lined up over the store, not in a collective: under load a rank may arrive seconds
+    # late, and a wait that long in a collective is an incident of its own (hang_timeout).
+    store_sync("lined-up", ctx.world_size)
     model = ctx.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)), blocks=[nn.Linear])
     reported, poller = when_reported()
-    ctx.barrier()
+    store_sync("sharded", ctx.world_size)
     if case == "forward" and ctx.rank == 1:
         reported.wait(GIVE_UP_S)  # SKIP-FORWARD
     loss = model(torch.ones(2, 4)).sum()  # FORWARD

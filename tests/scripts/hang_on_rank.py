@@ -4,9 +4,10 @@ import sys
 import time
 
 from ddpctx import distributed
+from tests.helpers import store_sync
 
 with distributed(timeout=float(sys.argv[1])) as ctx:
-    ctx.barrier()
+    store_sync("lined-up", ctx.world_size)  # not a collective: the short timeout is for the next
     if ctx.rank == 1:
         time.sleep(60)
     started = time.monotonic()
