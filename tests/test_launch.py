@@ -417,6 +417,60 @@ def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
     assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+@pytest.mark.slow
+def test_a_signal_while_the_caller_is_still_forking_stops_every_rank(
+    tmp_path: Path, signum: int
+) -> None:
+    # Ranks run their first task as soon as they are forked. Under load the caller can be
+    # descheduled right after a fork, before it records that rank: a signal then left the
+    # rank unrecorded, and the caller's exit waited on it forever (found by a suite run).
+    # Here the caller is held for 3 s right after forking the last rank.
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, time, multiprocessing.context, ddpctx
+
+            start = multiprocessing.context.ForkProcess.start
+
+            def starved_start(process):
+                start(process)
+                if process.name.endswith("rank1"):
+                    time.sleep(3)
+
+            multiprocessing.context.ForkProcess.start = starved_start
+
+            def wait_forever():
+                open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
+                time.sleep(600)
+
+            ddpctx.launch(wait_forever, world_size=2)
+            """
+        )
+    )
+    (tmp_path / "tmp").mkdir()
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=child_env(TMPDIR=str(tmp_path / "tmp")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
+        parent.send_signal(signum)
+        _, stderr = parent.communicate(timeout=patience(30))
+    finally:
+        parent.kill()
+    if signum == signal.SIGINT:
+        assert "KeyboardInterrupt" in stderr
+    else:
+        assert parent.returncode == 128 + signum, stderr
+    assert still_running(ranks) == []
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
+
+
 def test_ctx_launcher_says_launch() -> None:
     assert launch(lambda: ddpctx.current().launcher, world_size=2) == ["launch", "launch"]
 

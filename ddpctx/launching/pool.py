@@ -20,7 +20,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from ddpctx.launching.failures import (
     worker_frames,
 )
 from ddpctx.launching.preflight import check_before_forking
-from ddpctx.launching.worker import Outcome, Task, read_from, worker_main
+from ddpctx.launching.worker import STOP_SIGNALS, Outcome, Task, read_from, worker_main
 from ddpctx.utils.env import check_timeout
 
 #: Seconds the other ranks get, after the first failure, to report their own errors.
@@ -42,6 +42,23 @@ FOLLOW_ON_GRACE_S = 1.0
 STACK_DUMP_WAIT_S = 1.0
 #: Seconds a rank that is stopped gets, after SIGTERM, to run its ``finally`` blocks.
 FINALLY_GRACE_S = 1.0
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP wait (pending, not lost) until every forked rank is recorded.
+
+    Ranks start their first task as soon as they are forked. A signal that
+    lands after a fork but before the parent has recorded that rank left an
+    unrecorded rank behind: :meth:`RankPool.close` could not stop it and the
+    interpreter's exit waited on it forever. Each rank unblocks them for
+    itself (:func:`~ddpctx.launching.worker.worker_main`).
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class RankPool:
@@ -78,18 +95,19 @@ class RankPool:
         # Non-daemonic workers would be joined at interpreter exit; close them first.
         atexit.register(self.close)
         try:
-            for rank in range(world_size):
-                parent_end, child_end = context.Pipe()
-                process = context.Process(
-                    target=worker_main,
-                    args=(rank, world_size, child_end, self._directory, first),
-                    name=f"ddpctx-rank{rank}",
-                    daemon=False,  # ranks may start DataLoader workers of their own
-                )
-                process.start()
-                child_end.close()
-                self._conns.append(parent_end)
-                self._processes.append(process)
+            with _stop_signals_held():
+                for rank in range(world_size):
+                    parent_end, child_end = context.Pipe()
+                    process = context.Process(
+                        target=worker_main,
+                        args=(rank, world_size, child_end, self._directory, first),
+                        name=f"ddpctx-rank{rank}",
+                        daemon=False,  # ranks may start DataLoader workers of their own
+                    )
+                    process.start()
+                    child_end.close()
+                    self._conns.append(parent_end)
+                    self._processes.append(process)
         except BaseException:
             self.close()
             raise

@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ddpctx.launching.taskstate import RankState
 
+#: Signals that stop a launch; the parent holds them while it forks (see ``pool``).
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
 
 @dataclass
 class Task:
@@ -100,6 +103,7 @@ def worker_main(
     # the rank started (DataLoader workers, a user's subprocesses) with one killpg.
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the parent while forking
     out_path, err_path = _redirect_output(directory, rank)
     stacks = open(directory / f"rank{rank}.stack", "w")  # noqa: SIM115 -- worker lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
