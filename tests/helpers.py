@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -40,6 +41,18 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def signals_as_at_a_terminal() -> None:
+    """``preexec_fn`` for a child a test sends Ctrl-C or a hangup: both as at a terminal.
+
+    A suite started in the background by a non-interactive shell hands its children
+    SIGINT ignored, and under ``nohup`` SIGHUP too; a program rightly keeps an
+    ignored signal ignored (``launch`` does), so such a test would wait for an exit
+    that never comes. The child gets the default actions first.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def run_python(

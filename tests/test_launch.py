@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ from tests.helpers import (
     listening_addresses,
     patience,
     run_python,
+    signals_as_at_a_terminal,
     still_running,
     wait_for_files,
 )
@@ -254,6 +257,7 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=signals_as_at_a_terminal,
     )
     try:
         ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
@@ -282,17 +286,31 @@ def test_ranks_run_torch_even_after_the_caller_used_its_thread_pool() -> None:
 # --- reliability: launching from a process with a group, leaks, output, formation ---------------
 
 
-def run_child(tmp_path: Path, source: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run ``source`` as a script in a child with its own, empty TMPDIR."""
+@pytest.fixture
+def child_tmp() -> Iterator[Path]:
+    """An empty TMPDIR for a child, with a short path.
+
+    multiprocessing puts AF_UNIX sockets in it, and their paths must stay under
+    108 bytes: a folder inside ``tmp_path`` passed that for a long test name under
+    xdist once pytest's numbered folder reached ``pytest-100``.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="ddpctx-t-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_child(
+    tmp_path: Path, source: str, tmpdir: Path, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as a script in a child with ``tmpdir`` as its TMPDIR."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(source))
-    (tmp_path / "tmp").mkdir(exist_ok=True)
     return subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(TMPDIR=str(tmp_path / "tmp")),
+        env=child_env(TMPDIR=str(tmpdir)),
         cwd=REPO,
     )
 
@@ -300,7 +318,7 @@ def run_child(tmp_path: Path, source: str, timeout: float = 60) -> subprocess.Co
 @pytest.mark.parametrize("how", ["distributed", "init_process_group"])
 @pytest.mark.slow
 def test_launch_from_a_process_with_a_group_refuses_within_seconds(
-    tmp_path: Path, how: str
+    tmp_path: Path, child_tmp: Path, how: str
 ) -> None:
     enter = (
         "with ddpctx.distributed():"
@@ -316,7 +334,7 @@ started = time.monotonic()
     except RuntimeError as error:
         print("REFUSED", f"{{time.monotonic() - started:.1f}}", error)
 """
-    result = run_child(tmp_path, source, timeout=60)
+    result = run_child(tmp_path, source, child_tmp, timeout=60)
     assert "REFUSED" in result.stdout, result.stderr
     assert "outside the `with distributed()` block" in result.stdout
     assert float(result.stdout.split()[1]) < 10
@@ -358,7 +376,7 @@ def test_launch_prints_all_of_a_long_output(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_no_pymp_folder_is_left_when_a_rank_returned_a_tensor_and_another_failed(
-    tmp_path: Path,
+    tmp_path: Path, child_tmp: Path
 ) -> None:
     source = """
 import time, torch, ddpctx
@@ -374,15 +392,15 @@ try:
 except ddpctx.RankError as error:
     print("FAILED AS EXPECTED", str(error).splitlines()[0])
 """
-    result = run_child(tmp_path, source)
+    result = run_child(tmp_path, source, child_tmp)
     assert "FAILED AS EXPECTED rank 1 failed" in result.stdout, result.stderr
-    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
+    assert sorted(p.name for p in child_tmp.iterdir()) == []
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 @pytest.mark.slow
 def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
-    tmp_path: Path, signum: int
+    tmp_path: Path, child_tmp: Path, signum: int
 ) -> None:
     script = tmp_path / "child.py"
     script.write_text(
@@ -398,13 +416,13 @@ def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
             """
         )
     )
-    (tmp_path / "tmp").mkdir()
     parent = subprocess.Popen(
         [sys.executable, str(script)],
-        env=child_env(TMPDIR=str(tmp_path / "tmp")),
+        env=child_env(TMPDIR=str(child_tmp)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=signals_as_at_a_terminal,
     )
     try:
         ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
@@ -414,13 +432,13 @@ def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
         parent.kill()
     assert parent.returncode == 128 + signum
     assert still_running(ranks) == []
-    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
+    assert sorted(p.name for p in child_tmp.iterdir()) == []
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
 @pytest.mark.slow
 def test_a_signal_while_the_caller_is_still_forking_stops_every_rank(
-    tmp_path: Path, signum: int
+    tmp_path: Path, child_tmp: Path, signum: int
 ) -> None:
     # Ranks run their first task as soon as they are forked. Under load the caller can be
     # descheduled right after a fork, before it records that rank: a signal then left the
@@ -449,13 +467,13 @@ def test_a_signal_while_the_caller_is_still_forking_stops_every_rank(
             """
         )
     )
-    (tmp_path / "tmp").mkdir()
     parent = subprocess.Popen(
         [sys.executable, str(script)],
-        env=child_env(TMPDIR=str(tmp_path / "tmp")),
+        env=child_env(TMPDIR=str(child_tmp)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=signals_as_at_a_terminal,
     )
     try:
         ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
@@ -468,7 +486,7 @@ def test_a_signal_while_the_caller_is_still_forking_stops_every_rank(
     else:
         assert parent.returncode == 128 + signum, stderr
     assert still_running(ranks) == []
-    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
+    assert sorted(p.name for p in child_tmp.iterdir()) == []
 
 
 def test_ctx_launcher_says_launch() -> None:
