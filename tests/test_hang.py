@@ -524,6 +524,8 @@ def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> No
     # Headline, a line per rank and the diagnosis: the same, up to the seconds waited.
     assert without_seconds(produced[:4]) == without_seconds(shown_lines[:4])
     assert "diagnosis: ranks are in different collectives" in produced[3]
+    # torchrun's summary names the root cause (its whole output shown if it does not)
+    assert "Root Cause (first observed failure)" in result.stderr, result.stderr[-4000:]
     root_cause = result.stderr.split("Root Cause (first observed failure)", 1)[1]
     assert "HangError: ddpctx hang report:" in root_cause
 
