@@ -231,43 +231,11 @@ def test_from_a_repl_session() -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
-    import signal
-    import subprocess
-    import sys
-
-    script = tmp_path / "interrupted.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import os, time, ddpctx
-
-            def wait_forever():
-                open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
-                time.sleep(600)
-
-            if __name__ == "__main__":
-                ddpctx.launch(wait_forever, world_size=2)
-            """
-        )
-    )
-    parent = subprocess.Popen(
-        [sys.executable, str(script)],
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=signals_as_at_a_terminal,
-    )
-    try:
-        ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
-        assert len(ranks) == 2
-        parent.send_signal(signal.SIGINT)
-        _, stderr = parent.communicate(timeout=patience(30))
-    finally:
-        parent.kill()
+def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path, child_tmp: Path) -> None:
+    _, stderr, ranks = signal_a_launch(tmp_path, child_tmp, signal.SIGINT)
     assert "KeyboardInterrupt" in stderr
     assert still_running(ranks) == []
+    assert sorted(p.name for p in child_tmp.iterdir()) == []
 
 
 def big_backward() -> int:
@@ -313,6 +281,46 @@ def run_child(
         env=child_env(TMPDIR=str(tmpdir)),
         cwd=REPO,
     )
+
+
+def signal_a_launch(
+    tmp_path: Path, tmpdir: Path, signum: int, prelude: str = ""
+) -> tuple[int | None, str, list[int]]:
+    """Start a script whose two ``launch()`` ranks sleep, send it ``signum`` once both run.
+
+    Returns its exit code, its stderr and the ranks' pids. ``prelude`` runs first.
+    """
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(prelude)
+        + textwrap.dedent(
+            f"""
+            import os, time, ddpctx
+
+            def wait_forever():
+                open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
+                time.sleep(600)
+
+            if __name__ == "__main__":
+                ddpctx.launch(wait_forever, world_size=2)
+            """
+        )
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=child_env(TMPDIR=str(tmpdir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=signals_as_at_a_terminal,
+    )
+    try:
+        ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
+        parent.send_signal(signum)
+        _, stderr = parent.communicate(timeout=patience(30))
+    finally:
+        parent.kill()
+    return parent.returncode, stderr, ranks
 
 
 @pytest.mark.parametrize("how", ["distributed", "init_process_group"])
@@ -402,35 +410,8 @@ except ddpctx.RankError as error:
 def test_sigterm_or_sighup_to_the_caller_leaves_no_rank_and_no_folder(
     tmp_path: Path, child_tmp: Path, signum: int
 ) -> None:
-    script = tmp_path / "child.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import os, time, ddpctx
-
-            def wait_forever():
-                open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
-                time.sleep(600)
-
-            ddpctx.launch(wait_forever, world_size=2)
-            """
-        )
-    )
-    parent = subprocess.Popen(
-        [sys.executable, str(script)],
-        env=child_env(TMPDIR=str(child_tmp)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=signals_as_at_a_terminal,
-    )
-    try:
-        ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
-        parent.send_signal(signum)
-        parent.communicate(timeout=patience(30))
-    finally:
-        parent.kill()
-    assert parent.returncode == 128 + signum
+    returncode, stderr, ranks = signal_a_launch(tmp_path, child_tmp, signum)
+    assert returncode == 128 + signum, stderr
     assert still_running(ranks) == []
     assert sorted(p.name for p in child_tmp.iterdir()) == []
 
@@ -444,47 +425,23 @@ def test_a_signal_while_the_caller_is_still_forking_stops_every_rank(
     # descheduled right after a fork, before it records that rank: a signal then left the
     # rank unrecorded, and the caller's exit waited on it forever (found by a suite run).
     # Here the caller is held for 3 s right after forking the last rank.
-    script = tmp_path / "child.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import os, time, multiprocessing.context, ddpctx
+    starved = """
+        import time, multiprocessing.context
 
-            start = multiprocessing.context.ForkProcess.start
+        start = multiprocessing.context.ForkProcess.start
 
-            def starved_start(process):
-                start(process)
-                if process.name.endswith("rank1"):
-                    time.sleep(3)
+        def starved_start(process):
+            start(process)
+            if process.name.endswith("rank1"):
+                time.sleep(3)
 
-            multiprocessing.context.ForkProcess.start = starved_start
-
-            def wait_forever():
-                open(os.path.join({str(tmp_path)!r}, f"pid{{os.getpid()}}"), "w").close()
-                time.sleep(600)
-
-            ddpctx.launch(wait_forever, world_size=2)
-            """
-        )
-    )
-    parent = subprocess.Popen(
-        [sys.executable, str(script)],
-        env=child_env(TMPDIR=str(child_tmp)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=signals_as_at_a_terminal,
-    )
-    try:
-        ranks = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
-        parent.send_signal(signum)
-        _, stderr = parent.communicate(timeout=patience(30))
-    finally:
-        parent.kill()
+        multiprocessing.context.ForkProcess.start = starved_start
+    """
+    returncode, stderr, ranks = signal_a_launch(tmp_path, child_tmp, signum, prelude=starved)
     if signum == signal.SIGINT:
         assert "KeyboardInterrupt" in stderr
     else:
-        assert parent.returncode == 128 + signum, stderr
+        assert returncode == 128 + signum, stderr
     assert still_running(ranks) == []
     assert sorted(p.name for p in child_tmp.iterdir()) == []
 
