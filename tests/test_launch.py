@@ -423,7 +423,9 @@ def test_a_signal_while_the_caller_is_still_forking_stops_every_rank(
 ) -> None:
     # Ranks run their first task as soon as they are forked. Under load the caller can be
     # descheduled right after a fork, before it records that rank: a signal then left the
-    # rank unrecorded, and the caller's exit waited on it forever (found by a suite run).
+    # rank unrecorded, and the caller's exit waited on it forever. Found while tracing two
+    # signal tests that failed in a suite run (they failed for another reason: see
+    # helpers.signals_as_at_a_terminal).
     # Here the caller is held for 3 s right after forking the last rank.
     starved = """
         import time, multiprocessing.context
