@@ -60,13 +60,6 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_the_same_seed_gives_the_same_weights(small: Path, tmp_path: Path) -> None:
-    """The small job again, from scratch: bit-identical weights (with accumulation, checkpoints)."""
-    result = run_torchrun(SCRIPT, *SMALL, "--out", str(tmp_path), timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert summary(tmp_path)["model_sha256"] == summary(small)["model_sha256"]
-
-
 def test_checkpoints_are_named_by_epoch_and_step(small: Path) -> None:
     names = sorted(p.name for p in (small / "checkpoints").iterdir())
     assert names == ["checkpoint-000016-epoch2-step56.pt", "checkpoint-000017-epoch2-step57.pt"]
@@ -96,6 +89,12 @@ def test_more_epochs_on_a_finished_run_is_one_clear_refusal(small: Path) -> None
 def test_a_rank_killed_mid_epoch_resumes_to_the_same_weights(
     small: Path, tmp_path: Path, epoch: int, workers: int
 ) -> None:
+    """The small job from scratch, a rank killed mid-epoch: the weights of the uninterrupted run.
+
+    Bit-identical weights from a second run of the same seed are part of this: the job
+    starts from nothing, so the same seed must give the same weights (with accumulation,
+    checkpoints, with and without loader workers) before resuming can match them.
+    """
     job = start_torchrun(
         SCRIPT,
         *SMALL,

@@ -15,20 +15,24 @@ fails the job after ``GIVE_UP``):
 - ``slow_save``: rank 0's checkpoint write takes longer than ``hang_timeout``.
 - ``p2p`` (3 ranks): rank 1 waits in ``recv`` from rank 0, which sleeps; rank 2 sleeps
   too, outside the pair.
-- ``gil``: rank 0 holds the GIL in native code (its watchdog cannot run) for
-  ``8 * SECONDS + 4`` s; rank 1 waits in a barrier.
+- ``gil``: rank 0 holds the GIL in native code (its watchdog cannot run): it opens a FIFO
+  for reading, which blocks until rank 1, waiting in a barrier, has seen the report
+  (published by rank 1 as the stand-in) and opens the FIFO for writing.
 - ``stopped``: rank 0 stops itself with SIGSTOP; rank 1 waits in a barrier and sends
-  it SIGCONT after ``8 * SECONDS + 4`` s.
+  it SIGCONT once it has seen the report.
 
 Lines the tests look for end in a ``# <NAME>`` marker.
 """
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch._dynamo  # DDP's constructor imports it: before the ranks line up, not in a case
@@ -82,6 +86,18 @@ def write_checkpoint() -> None:
     reported.wait(GIVE_UP_S)  # SLOW-WRITE
 
 
+def once_reported(action: Callable[[], object]) -> None:
+    """Run ``action`` in a thread once this case's report is out (or after ``GIVE_UP_S``)."""
+
+    event = reported
+
+    def wait_then_act() -> None:
+        event.wait(GIVE_UP_S)
+        action()
+
+    threading.Thread(target=wait_then_act, daemon=True).start()
+
+
 def run_case(case: str) -> None:
     ctx = current()
     assert ctx is not None
@@ -117,8 +133,18 @@ def run_case(case: str) -> None:
             reported.wait(GIVE_UP_S)  # BYSTANDER
         dist.barrier()
     elif case == "gil":
+        folder = tempfile.mkdtemp() if ctx.rank == 0 else ""
+        fifo = os.path.join(folder, "resume")
         if ctx.rank == 0:
-            ctypes.PyDLL(None).sleep(int(8 * seconds + 4))  # GIL
+            os.mkfifo(fifo)
+        fifos: list[object] = [None] * ctx.world_size
+        dist.all_gather_object(fifos, fifo)
+        if ctx.rank == 0:
+            # open() of a FIFO blocks until a writer opens it; PyDLL keeps the GIL meanwhile
+            os.close(ctypes.PyDLL(None).open(fifo.encode(), os.O_RDONLY))  # GIL
+            shutil.rmtree(folder)
+        else:
+            once_reported(lambda: os.close(os.open(str(fifos[0]), os.O_WRONLY)))
         dist.barrier()  # GIL-BARRIER
     elif case == "stopped":
         pids: list[object] = [None] * ctx.world_size
@@ -126,8 +152,7 @@ def run_case(case: str) -> None:
         if ctx.rank == 0:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
-            resume = threading.Timer(8 * seconds + 4, os.kill, (pids[0], signal.SIGCONT))
-            resume.start()
+            once_reported(lambda: os.kill(int(str(pids[0])), signal.SIGCONT))
         dist.barrier()  # STOPPED-BARRIER
 
 
