@@ -106,16 +106,31 @@ def resolve_hang_settings(
         raise ValueError(
             f"{name}={seconds:g} s is below the hang doctor's floor of "
             f"{MIN_HANG_TIMEOUT_S:g} s (its thread wakes once a second, so a shorter wait "
-            "cannot be told from healthy work). Set "
-            f"{name}={MIN_HANG_TIMEOUT_S:g} or more, or {name}=0 to turn the hang doctor off."
+            f"cannot be told from healthy work). {_fix(name, collective_timeout_s)}"
         )
     if seconds >= collective_timeout_s:
         raise ValueError(
             f"{name}={seconds:g} s is not below the collective timeout of "
             f"{collective_timeout_s:g} s, so the report would come after the job failed. "
-            f"Set a smaller {name} (e.g. {collective_timeout_s / 5:g}) or a larger timeout."
+            f"{_fix(name, collective_timeout_s)}"
         )
     return HangSettings(seconds, str(on_hang), debug or _debug_from_env(environ))
+
+
+def _fix(name: str, collective_timeout_s: float) -> str:
+    """What to set instead of a refused hang timeout: only values that are accepted."""
+    suggestion = _default_hang_seconds(collective_timeout_s)
+    if suggestion:
+        return (
+            f"Set {name}={suggestion:g} (from {MIN_HANG_TIMEOUT_S:g} s up to below the "
+            f"collective timeout of {collective_timeout_s:g} s), or {name}=0 to turn the "
+            "hang doctor off."
+        )
+    return (
+        f"The collective timeout of {collective_timeout_s:g} s leaves no room above the floor "
+        f"of {MIN_HANG_TIMEOUT_S:g} s: set {name}=0 to turn the hang doctor off, or a "
+        f"timeout above {MIN_HANG_TIMEOUT_S:g} s."
+    )
 
 
 def _default_hang_seconds(collective_timeout_s: float) -> float:
