@@ -32,7 +32,7 @@ from ddpctx import (
     set_seed,
 )
 from ddpctx.checkpoint.files import atomic_save, training_state
-from tests.helpers import REPO
+from tests.helpers import REPO, patience
 
 TORCHRUN = {
     "RANK": "1",
@@ -680,7 +680,7 @@ def test_bad_input_gets_a_clear_error_quickly(
     started = time.monotonic()
     with pytest.raises(row.error, match=re.escape(row.says)):
         row.call(tmp_path)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < patience(1.0)
 
 
 def test_a_master_port_in_use_on_rank_zero_is_named_with_the_fix(
@@ -697,7 +697,7 @@ def test_a_master_port_in_use_on_rank_zero_is_named_with_the_fix(
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=rf"MASTER_PORT={port} is already in use") as raised:
             distributed(timeout=timedelta(seconds=20)).__enter__()
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < patience(10)
         assert f"MASTER_PORT to a free port (e.g. {port + 1})" in str(raised.value)
 
 

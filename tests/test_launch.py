@@ -94,7 +94,7 @@ def test_a_failing_rank_stops_every_rank_within_seconds(world_size: int) -> None
         launch(fail_on_rank_one, world_size=world_size)
     elapsed = time.monotonic() - started
     error = raised.value
-    assert elapsed < 5, f"took {elapsed:.1f} s"
+    assert elapsed < patience(5), f"took {elapsed:.1f} s"
     assert error.rank == 1
     assert str(error).startswith("rank 1 failed: ValueError: bad shard on rank 1")
     assert isinstance(error.__cause__, ValueError)  # the original, chained
@@ -154,7 +154,7 @@ def test_a_hang_is_reported_with_every_ranks_stack() -> None:
     started = time.monotonic()
     with pytest.raises(RankTimeoutError) as raised:
         launch(hang_on_rank_zero, world_size=2, timeout=2)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < patience(10)
     message = str(raised.value)
     assert "ranks 0, 1 did not finish within 2 s" in message
     rank0, rank1 = message.split("--- rank 0 ---")[1].split("--- rank 1 ---")

@@ -27,6 +27,7 @@ from ddpctx.utils.errors import (
     record_for_torchrun,
     should_record,
 )
+from tests.helpers import patience
 from tests.test_collectives import expect_error_everywhere as raises_everywhere
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=30)
@@ -141,7 +142,7 @@ def test_ctrl_c_or_sys_exit_on_rank_zero_reaches_every_rank_at_once(
     started = time.monotonic()
     with pytest.raises((type(stop), RankZeroError, ReductionError)) as raised:
         run()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < patience(10)
     if dist_ctx.rank == 0:
         assert type(raised.value) is type(stop)
     else:

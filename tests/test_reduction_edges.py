@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddpctx import DistContext, ReductionError, all_reduced
+from tests.helpers import patience
 
 FAST = 5.0  # seconds within which a failure must reach every rank
 
@@ -152,7 +153,7 @@ def test_a_result_that_contains_itself_on_one_rank_is_an_error_on_every_rank(
         started = time.monotonic()
         with pytest.raises((ValueError, ReductionError)) as raised:
             reduce_once()
-        assert time.monotonic() - started < FAST
+        assert time.monotonic() - started < patience(FAST)
         if dist_ctx.rank == bad_rank:
             assert type(raised.value) is ValueError
             assert "contains itself" in str(raised.value)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddpctx import DistContext, ReductionError, all_reduced
+from tests.helpers import patience
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 FAST = 5.0  # seconds within which a failure must reach every rank
@@ -127,7 +128,7 @@ def test_an_object_one_rank_cannot_send_is_an_error_on_every_rank(
     started = time.monotonic()
     with pytest.raises((ReductionError, pickle.PicklingError, AttributeError)) as raised:
         send()
-    assert time.monotonic() - started < FAST
+    assert time.monotonic() - started < patience(FAST)
     if dist_ctx.rank != sender:
         assert isinstance(raised.value, ReductionError)
         assert f"rank {sender}" in str(raised.value)

@@ -65,7 +65,7 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective_within_a_second(tmp_path: P
             if Path(f"/proc/{pid}").exists():
                 os.kill(pid, signal.SIGKILL)
     # Before: the handler waited for the barrier, i.e. the 300 s collective timeout.
-    assert took < GRACE_S + 2.5, f"rank 0 took {took:.2f} s to exit after SIGTERM"
+    assert took < patience(GRACE_S + 2.5), f"rank 0 took {took:.2f} s to exit after SIGTERM"
     assert "rank 0 received SIGTERM" in stderr
     assert "exitcode: 143" in stderr.replace("exitcode  :", "exitcode:"), stderr[-3000:]
 

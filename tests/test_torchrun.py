@@ -75,7 +75,7 @@ def test_an_exception_on_one_rank_ends_the_job_naming_that_rank(nproc: int) -> N
     assert "ValueError: boom from rank 1" in root_cause
     assert 'raise ValueError(f"boom from rank {rank}")' in root_cause  # the traceback itself
     assert "error_file: <N/A>" not in root_cause
-    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after one rank failed"
+    assert elapsed < patience(60), f"the job took {elapsed:.0f} s to end after one rank failed"
 
 
 def test_the_timeout_bounds_a_collective_that_a_rank_never_joins() -> None:
@@ -125,6 +125,6 @@ def test_a_rank_killed_with_sigkill_ends_the_job_naming_it(nproc: int, tmp_path:
     finally:
         job.kill()
     assert job.returncode != 0
-    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after a rank was killed"
+    assert elapsed < patience(30), f"the job took {elapsed:.0f} s to end after a rank was killed"
     root_cause = stderr[stderr.index("Root Cause") :]
     assert "Signal 9 (SIGKILL)" in root_cause or "exitcode  : -9" in root_cause
