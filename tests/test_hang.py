@@ -226,6 +226,22 @@ def test_another_rank_reports_when_rank_0_is_stopped(
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout
+def test_under_on_hang_raise_a_rank_that_comes_back_raises_the_one_real_report() -> None:
+    # Before: the ranks' waits ended once rank 1 let go of the GIL, rank 0 went on, and
+    # rank 1 raised a made-up report ("no rank sent a report") from its exit, which
+    # torchrun could show as the root cause.
+    script = REPO / "tests" / "scripts" / "hang_comes_back.py"
+    result = run_torchrun(script, str(HANG_TIMEOUT), nproc=2, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = re.findall(r"(?:NOT-)?RAISED \d(?: True| False)?", result.stdout)  # may interleave
+    assert sorted(said) == [
+        "RAISED 0 True",
+        "RAISED 1 True",
+    ], result.stdout + result.stderr[-3000:]
+    assert "no rank sent a report" not in result.stderr
+
+
+@pytest.mark.slow  # a torchrun job or a real hang timeout
 def test_under_launch_a_rank_that_sleeps_is_named(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

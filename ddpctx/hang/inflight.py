@@ -187,7 +187,7 @@ class Tracker:
         if issued:
             self.entered += 1
         try:
-            return call()
+            result = call()
         except Exception as error:
             if self.failure is not None:  # the hang was reported; the peers are going
                 raise self.failure from error
@@ -195,6 +195,9 @@ class Tracker:
         finally:
             self.op = None
             self.completed += 1
+        if self.failure is not None:  # on_hang="raise": the wait ended, the job still ends
+            raise self.failure
+        return result
 
     def waited(self, now: float) -> tuple[str | None, float]:
         """``(op, seconds)`` this rank has waited in, counting GPU work not yet finished."""
@@ -317,6 +320,8 @@ def _collective(
         finally:
             tracker.op = None
             tracker.completed += 1
+        if tracker.failure is not None:  # on_hang="raise": the wait ended, the job still ends
+            raise tracker.failure
         if cuda:
             _note_gpu_work(tracker, what)
         return result

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -211,6 +212,16 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(STOP_WAIT_S)
+        if self.settings.on_hang == "raise" and self.tracker.failure is None:
+            # This rank was silent through an incident (GIL held, stopped) and left the
+            # block before its thread ticked: the published report is its HangError too.
+            with contextlib.suppress(Exception):
+                newest = self.exchange.newest()
+                report = self.exchange.published(newest) if newest > self._seen else None
+                if report is not None:
+                    self._seen = newest
+                    self.tracker.failure = HangError(report)
+                    record_for_torchrun(self.tracker.failure, os.environ)
 
     def _run(self) -> None:
         try:
@@ -244,6 +255,8 @@ class Watchdog:
         if report is None:
             report = self._await_report(incident)
         if self.settings.on_hang == "raise":
+            if report is None and self._stop.is_set():
+                return  # the block ended and no report came: nothing to raise, nothing to say
             own = RankState(self.rank, op, waited, "?", "")
             fallback = format_report([own], self.settings.hang_timeout) + " (no rank sent a report)"
             self._raise(report or fallback)
@@ -281,13 +294,19 @@ class Watchdog:
                     return report
                 deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S  # another rank writes
             time.sleep(0.1)
-        return None
+        return self.exchange.published(incident)  # stopping: a report may have come meanwhile
 
     def _raise(self, report: str) -> None:
-        """Make the main thread raise :class:`HangError`; exit if it is blocked in native code."""
+        """Make the main thread raise :class:`HangError`; exit if it is blocked in native code.
+
+        Once the block is ending (:meth:`stop` called), the error is only recorded:
+        ``distributed()`` raises it as the block's exit, not at a random point of it.
+        """
         error = HangError(report)
         self.tracker.failure = error
         record_for_torchrun(error, os.environ)
+        if self._stop.is_set():
+            return
         main = threading.main_thread()
         # A main thread in a tracked wait raises from the wrapper when the wait ends;
         # others get the exception at their next Python instruction.
@@ -360,6 +379,11 @@ class Doctor:
     @property
     def reports(self) -> list[str]:
         return self._watchdog.reports if self._watchdog is not None else []
+
+    @property
+    def failure(self) -> HangError | None:
+        """The ``on_hang="raise"`` error of this rank, once a report was made."""
+        return self._watchdog.tracker.failure if self._watchdog is not None else None
 
     def stop(self) -> None:
         try:

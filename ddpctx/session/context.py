@@ -223,6 +223,9 @@ class DistributedSession:
                 record_for_torchrun(exc, os.environ, note="\n\n".join(reports))
         finally:
             self.close()
+        failure = self._doctor.failure if self._doctor is not None else None
+        if exc is None and failure is not None:  # on_hang="raise": the stall ended by itself
+            raise failure
         return False
 
     def close(self) -> None:
