@@ -595,12 +595,30 @@ def test_environment_and_cwd_from_fixtures_reach_the_ranks_in_every_test(shared:
 OUTPUT_TESTS = CASES["test_output"]
 
 
+FAILING_OUTPUT_TESTS = """
+    import pytest
+
+    @pytest.mark.distributed(world_size=2)
+    @pytest.mark.parametrize("index", range(6))
+    def test_rank_1_fails_after_printing(dist_ctx, index):
+        print(f"token {index} from rank {dist_ctx.rank}")
+        assert dist_ctx.rank == 0
+    """
+
+
 @pytest.mark.slow
 def test_dash_s_streams_each_ranks_output_with_its_rank(pytester: pytest.Pytester) -> None:
-    result = run(pytester, OUTPUT_TESTS, "-s")
-    result.assert_outcomes(passed=2)
+    # Before: when a rank failed, the other rank's output (or the failing rank's own) was
+    # lost in most runs: the stream started after a quick rank had printed, and the pool's
+    # files were removed before the last read.
+    source = textwrap.dedent(OUTPUT_TESTS) + textwrap.dedent(FAILING_OUTPUT_TESTS)
+    result = run(pytester, source, "-s")
+    result.assert_outcomes(passed=2, failed=6)
     result.stdout.fnmatch_lines(["*[[]rank 0[]] hello from rank 0*"])
     result.stdout.fnmatch_lines(["*[[]rank 1[]] hello from rank 1*"])
+    for index in range(6):
+        for rank in range(2):
+            assert f"[rank {rank}] token {index} from rank {rank}" in result.stdout.str()
 
 
 @shared_case

@@ -177,11 +177,15 @@ class RankPool:
                 ) from None
             for conn in self._conns:
                 conn.send_bytes(payload)
-        echoer = Echo(self._directory, self.world_size) if echo else None
+        # From where this task's output starts: a quick rank may have written already.
+        echoer = Echo(self._directory, self._task_offsets) if echo else None
         try:
             outcomes = self._collect(timeout, echoer)
         except BaseException:
             self.healthy = False
+            if echoer is not None:  # before close() removes the files
+                echoer.pump(final=True)
+                echoer = None
             self.close()
             raise
         finally:
@@ -353,13 +357,18 @@ ECHO_INTERVAL_S = 0.1
 class Echo:
     """Streams the ranks' output files to this process's stdout/stderr, line by line."""
 
-    def __init__(self, directory: Path, world_size: int) -> None:
+    def __init__(self, directory: Path, starts: list[tuple[int, int]]) -> None:
+        """``starts``: per rank, where its task's output begins in ``(out, err)``."""
         self._files = [
             (rank, directory / f"rank{rank}.{name}", stream)
-            for rank in range(world_size)
+            for rank in range(len(starts))
             for name, stream in (("out", "stdout"), ("err", "stderr"))
         ]
-        self._offsets = {path: _size(path) for _, path, _ in self._files}
+        self._offsets = {
+            directory / f"rank{rank}.{name}": start
+            for rank, pair in enumerate(starts)
+            for name, start in zip(("out", "err"), pair, strict=True)
+        }
 
     def pump(self, final: bool = False) -> None:
         for rank, path, stream in self._files:
