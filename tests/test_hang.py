@@ -27,9 +27,10 @@ from torch.distributed import distributed_c10d
 
 import ddpctx
 from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
+from ddpctx.hang.inflight import Tracker
 from ddpctx.hang.peers import describe
-from ddpctx.hang.report import PREFIX, RankState, format_report
-from ddpctx.hang.watchdog import resolve_hang_settings
+from ddpctx.hang.report import PREFIX, Exchange, RankState, format_report
+from ddpctx.hang.watchdog import HangSettings, Watchdog, resolve_hang_settings
 from tests.helpers import REPO, patience, run_torchrun, start_torchrun
 
 SCRIPT = REPO / "tests" / "scripts" / "hang_case.py"
@@ -226,19 +227,46 @@ def test_another_rank_reports_when_rank_0_is_stopped(
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout
-def test_under_on_hang_raise_a_rank_that_comes_back_raises_the_one_real_report() -> None:
+@pytest.mark.parametrize(("when", "nproc"), [("reported", 2), ("opened", 3)])
+def test_under_on_hang_raise_a_rank_that_comes_back_raises_the_one_real_report(
+    when: str, nproc: int
+) -> None:
     # Before: the ranks' waits ended once rank 1 let go of the GIL, rank 0 went on, and
     # rank 1 raised a made-up report ("no rank sent a report") from its exit, which
-    # torchrun could show as the root cause.
+    # torchrun could show as the root cause. Then (3 ranks, the stall ending before the
+    # report was out): a waiting rank other than rank 0 left the block with no error.
     script = REPO / "tests" / "scripts" / "hang_comes_back.py"
-    result = run_torchrun(script, str(HANG_TIMEOUT), nproc=2, timeout=150)
+    result = run_torchrun(script, str(HANG_TIMEOUT), when, nproc=nproc, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
-    said = re.findall(r"(?:NOT-)?RAISED \d(?: True| False)?", result.stdout)  # may interleave
-    assert sorted(said) == [
-        "RAISED 0 True",
-        "RAISED 1 True",
-    ], result.stdout + result.stderr[-3000:]
+    said = re.findall(r"(?:NOT-)?RAISED \d(?: \d+ (?:True|False))?", result.stdout)
+    ranks = sorted(said, key=lambda line: line.split()[1])
+    assert [line.split()[:2] for line in ranks] == [["RAISED", str(r)] for r in range(nproc)], (
+        result.stdout + result.stderr[-3000:]
+    )
+    assert {line.split()[3] for line in ranks} == {"True"}, result.stdout + result.stderr[-3000:]
+    assert len({line.split()[2] for line in ranks}) == 1, "ranks raised different reports"
     assert "no rank sent a report" not in result.stderr
+
+
+def test_under_on_hang_raise_a_rank_that_leaves_before_the_report_still_raises_it() -> None:
+    # Found by the outside attack (3 ranks, one holding the GIL 6 s): the stall ended while
+    # rank 0 still collected answers, every wait completed, and rank 1, which had answered,
+    # stopped waiting for the report when its block ended and left with no error.
+    store = dist.HashStore()
+    tracker = Tracker()
+    watchdog = Watchdog(HangSettings(2.0, "raise", False), tracker, store, 1, 3).start()
+    reporter = Exchange(store, 0, 3)
+    assert reporter.open_next(0) == 1  # rank 0 opens an incident
+    deadline = time.monotonic() + patience(10)
+    while not store.check([f"{PREFIX}1/rank1"]):  # rank 1's watchdog answers it
+        assert time.monotonic() < deadline, "the watchdog did not answer the incident"
+        time.sleep(0.05)
+    publish = threading.Timer(1.0, reporter.publish, (1, "ddpctx hang report: the one"))
+    publish.start()
+    watchdog.stop()  # rank 1's block ends before the report is published
+    publish.join()
+    assert isinstance(tracker.failure, HangError)
+    assert str(tracker.failure) == "ddpctx hang report: the one"
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout
@@ -480,23 +508,35 @@ def test_bad_hang_options_are_refused_naming_the_value(
 
 @given(
     timeout=st.floats(min_value=0.01, max_value=5000.0),
-    hang=st.floats(min_value=1e-3, max_value=1e4),
+    hang=st.one_of(
+        st.floats(min_value=1e-3, max_value=1e4),
+        st.sampled_from([-1, float("nan"), float("inf"), "60", True, None]),
+    ),
+    from_environment=st.booleans(),
 )
 def test_every_value_a_refused_hang_timeout_suggests_is_accepted(
-    timeout: float, hang: float
+    timeout: float, hang: object, from_environment: bool
 ) -> None:
     # Before: timeout=1 with hang_timeout=1 suggested "e.g. 0.2", and hang_timeout=0.5 with
-    # timeout=0.5 suggested "hang_timeout=1 or more": both refused in turn.
+    # timeout=0.5 suggested "hang_timeout=1 or more"; a negative, NaN or non-number value
+    # suggested 60 whatever the timeout: each refused in turn.
+    environ = {"DDPCTX_HANG_TIMEOUT": str(hang)} if from_environment and hang is not None else {}
+    value = None if environ else hang
+    name = "DDPCTX_HANG_TIMEOUT" if environ else "hang_timeout"
     try:
-        resolve_hang_settings(hang, "report", False, timeout, {})
+        resolve_hang_settings(value, "report", False, timeout, environ)
         return
     except ValueError as refused:
         message = str(refused)
-    fix = message[message.index(". ", message.index(" s ")) :]  # after the first sentence
-    suggested = [float(value) for value in re.findall(r"hang_timeout=([0-9.e+-]+)", fix)]
+    fix = message[message.index(". ", message.index(name)) :]  # after the first sentence
+    suggested = [float(found) for found in re.findall(rf"{name}=([0-9.e+-]+)", fix)]
     assert suggested, message
-    for value in suggested:
-        assert resolve_hang_settings(value, "report", False, timeout, {}).hang_timeout == value
+    for found in suggested:
+        again = {name: f"{found:g}"} if environ else {}
+        settings = resolve_hang_settings(
+            None if environ else found, "report", False, timeout, again
+        )
+        assert settings.hang_timeout == found
 
 
 @pytest.mark.parametrize(

@@ -164,14 +164,14 @@ def _hang_seconds(
             seconds = -1.0
         if not 0 <= seconds < float("inf"):
             raise ValueError(
-                f"DDPCTX_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0. Set it to e.g. "
-                "60, to 0 to turn the hang doctor off, or unset it for the default."
+                f"DDPCTX_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0. "
+                f"{_fix('DDPCTX_HANG_TIMEOUT', collective_timeout_s)} Or unset it for the default."
             )
         return seconds, "DDPCTX_HANG_TIMEOUT"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(
-            f"hang_timeout={value!r} must be a number of seconds >= 0: e.g. hang_timeout=60, "
-            "or hang_timeout=0 to turn the hang doctor off."
+            f"hang_timeout={value!r} must be a number of seconds >= 0. "
+            f"{_fix('hang_timeout', collective_timeout_s)}"
         )
     return float(value), "hang_timeout"
 
@@ -199,7 +199,7 @@ class Watchdog:
         self.exchange = Exchange(store, rank, world_size)
         self.reports: list[str] = []
         self._stop = threading.Event()
-        self._seen = self.exchange.newest()
+        self._seen = self._before = self.exchange.newest()  # incidents of earlier blocks
         self._covered = -1  # the wait (tracker.entered) that an incident already covered
         self._thread = threading.Thread(target=self._run, name="ddpctx-watchdog", daemon=True)
 
@@ -213,15 +213,21 @@ class Watchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(STOP_WAIT_S)
         if self.settings.on_hang == "raise" and self.tracker.failure is None:
-            # This rank was silent through an incident (GIL held, stopped) and left the
-            # block before its thread ticked: the published report is its HangError too.
+            # An incident of this block whose report this rank has not raised: it was
+            # silent through it (GIL held, stopped), or its wait completed and the block
+            # ended while the report was still being collected. It raises that report too.
             with contextlib.suppress(Exception):
-                newest = self.exchange.newest()
-                report = self.exchange.published(newest) if newest > self._seen else None
-                if report is not None:
-                    self._seen = newest
-                    self.tracker.failure = HangError(report)
-                    record_for_torchrun(self.tracker.failure, os.environ)
+                incident = max(self.exchange.newest(), self._seen)
+                if incident > self._before:
+                    self._seen = incident
+                    deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S
+                    report = self.exchange.published(incident)
+                    while report is None and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        report = self.exchange.published(incident)
+                    if report is not None:
+                        self.tracker.failure = HangError(report)
+                        record_for_torchrun(self.tracker.failure, os.environ)
 
     def _run(self) -> None:
         try:
