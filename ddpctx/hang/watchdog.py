@@ -213,21 +213,18 @@ class Watchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(STOP_WAIT_S)
         if self.settings.on_hang == "raise" and self.tracker.failure is None:
-            # An incident of this block whose report this rank has not raised: it was
-            # silent through it (GIL held, stopped), or its wait completed and the block
-            # ended while the report was still being collected. It raises that report too.
+            # An incident of this block not raised here (silent through it, or the block
+            # ended while the report was being collected): this rank raises that report too.
             with contextlib.suppress(Exception):
                 incident = max(self.exchange.newest(), self._seen)
-                if incident > self._before:
-                    self._seen = incident
-                    deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S
+                deadline = time.monotonic() + ANSWER_WAIT_S + 2 * TICK_S
+                while incident > self._before and time.monotonic() < deadline:
                     report = self.exchange.published(incident)
-                    while report is None and time.monotonic() < deadline:
-                        time.sleep(0.1)
-                        report = self.exchange.published(incident)
                     if report is not None:
                         self.tracker.failure = HangError(report)
                         record_for_torchrun(self.tracker.failure, os.environ)
+                        break
+                    time.sleep(0.1)
 
     def _run(self) -> None:
         try:
