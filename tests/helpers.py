@@ -204,3 +204,55 @@ def store_sync(key: str, world_size: int, give_up_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{world_size} ranks did not reach {key!r} in {give_up_s} s")
         time.sleep(0.02)
+
+
+def stored(key: str, give_up_s: float = 120.0) -> bool:
+    """In a rank: poll the job's store until ``key`` is set; False after ``give_up_s``.
+
+    Polled, not a store ``wait``: a wait holds the store's one connection, and this
+    rank's hang doctor could not answer meanwhile.
+    """
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    deadline = time.monotonic() + give_up_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def shared_fifo(rank: int, world_size: int) -> tuple[str, str]:
+    """In a rank: ``(fifo, folder)``, a FIFO that rank 0 makes in a new folder.
+
+    Every rank gets the FIFO's path; only rank 0 gets the folder (others ""), to
+    remove once done. With :func:`hold_the_gil_until_opened` one rank stalls
+    with its GIL held, and another ends the stall with :func:`open_for_writing`.
+    """
+    import tempfile
+
+    import torch.distributed as dist
+
+    folder = tempfile.mkdtemp() if rank == 0 else ""
+    if rank == 0:
+        os.mkfifo(os.path.join(folder, "resume"))
+    paths: list[object] = [None] * world_size
+    dist.all_gather_object(paths, os.path.join(folder, "resume"))
+    return str(paths[0]), folder
+
+
+def hold_the_gil_until_opened(fifo: str) -> None:
+    """Open ``fifo`` for reading from native code that keeps the GIL (``ctypes.PyDLL``).
+
+    The open blocks until a writer opens the FIFO: meanwhile no other thread of this
+    process runs Python, the hang doctor's watchdog included.
+    """
+    import ctypes
+
+    os.close(ctypes.PyDLL(None).open(fifo.encode(), os.O_RDONLY))
+
+
+def open_for_writing(fifo: str) -> None:
+    """End the stall of a rank in :func:`hold_the_gil_until_opened`."""
+    os.close(os.open(fifo, os.O_WRONLY))

@@ -24,24 +24,26 @@ fails the job after ``GIVE_UP``):
 Lines the tests look for end in a ``# <NAME>`` marker.
 """
 
-import ctypes
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Callable
 
 import torch
 import torch._dynamo  # DDP's constructor imports it: before the ranks line up, not in a case
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
 from ddpctx import all_reduced, current, distributed, rank_zero_only
 from ddpctx.hang.report import PREFIX
-from tests.helpers import store_sync
+from tests.helpers import (
+    hold_the_gil_until_opened,
+    open_for_writing,
+    shared_fifo,
+    store_sync,
+    stored,
+)
 
 cases, seconds = sys.argv[1], float(sys.argv[2])
 on_hang = sys.argv[3] if len(sys.argv) > 3 else "report"
@@ -66,10 +68,8 @@ class Reported(threading.Event):
             self.poller.start()
 
     def _poll(self) -> None:
-        store = distributed_c10d._get_default_store()
-        while not store.check([f"{PREFIX}{self.incident}/report"]):
-            time.sleep(0.05)
-        self.set()
+        if stored(f"{PREFIX}{self.incident}/report", GIVE_UP_S):
+            self.set()
 
     def close(self) -> None:
         if self.poller.is_alive():
@@ -133,18 +133,12 @@ def run_case(case: str) -> None:
             reported.wait(GIVE_UP_S)  # BYSTANDER
         dist.barrier()
     elif case == "gil":
-        folder = tempfile.mkdtemp() if ctx.rank == 0 else ""
-        fifo = os.path.join(folder, "resume")
+        fifo, folder = shared_fifo(ctx.rank, ctx.world_size)
         if ctx.rank == 0:
-            os.mkfifo(fifo)
-        fifos: list[object] = [None] * ctx.world_size
-        dist.all_gather_object(fifos, fifo)
-        if ctx.rank == 0:
-            # open() of a FIFO blocks until a writer opens it; PyDLL keeps the GIL meanwhile
-            os.close(ctypes.PyDLL(None).open(fifo.encode(), os.O_RDONLY))  # GIL
+            hold_the_gil_until_opened(fifo)  # GIL
             shutil.rmtree(folder)
         else:
-            once_reported(lambda: os.close(os.open(str(fifos[0]), os.O_WRONLY)))
+            once_reported(lambda: open_for_writing(fifo))
         dist.barrier()  # GIL-BARRIER
     elif case == "stopped":
         pids: list[object] = [None] * ctx.world_size

@@ -8,47 +8,39 @@ the waits complete and every rank leaves the block while the report is being col
 Each rank prints ``RAISED <rank> <crc32 of the report> <report ok>`` or ``NOT-RAISED <rank>``.
 """
 
-import ctypes
 import os
 import shutil
 import sys
-import tempfile
 import threading
-import time
 import zlib
-
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
 from ddpctx import HangError, distributed
 from ddpctx.hang.report import PREFIX
-from tests.helpers import store_sync
+from tests.helpers import (
+    hold_the_gil_until_opened,
+    open_for_writing,
+    shared_fifo,
+    store_sync,
+    stored,
+)
 
 seconds, when = float(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
 
 
 def open_once_reported(fifo: str) -> None:
-    store = distributed_c10d._get_default_store()
-    give_up = time.monotonic() + 120
-    key = f"{PREFIX}1/report" if when == "reported" else f"{PREFIX}1/rank0"
-    while not store.check([key]) and time.monotonic() < give_up:
-        time.sleep(0.05)
-    os.close(os.open(fifo, os.O_WRONLY))
+    stored(f"{PREFIX}1/report" if when == "reported" else f"{PREFIX}1/rank0")
+    open_for_writing(fifo)
 
 
 try:
     with distributed(hang_timeout=seconds, on_hang="raise", timeout=120) as ctx:
-        folder = tempfile.mkdtemp() if rank == 0 else ""
-        fifo = os.path.join(folder, "resume")
+        fifo, folder = shared_fifo(rank, ctx.world_size)
         if rank == 0:
-            os.mkfifo(fifo)
             threading.Thread(target=open_once_reported, args=(fifo,), daemon=True).start()
-        fifos: list[object] = [None] * ctx.world_size
-        dist.all_gather_object(fifos, fifo)
         store_sync("lined-up", ctx.world_size)
         if rank == 1:
-            os.close(ctypes.PyDLL(None).open(str(fifos[0]).encode(), os.O_RDONLY))  # GIL
+            hold_the_gil_until_opened(fifo)  # GIL
         ctx.barrier()  # BARRIER
         if rank == 0:
             shutil.rmtree(folder)
