@@ -30,7 +30,8 @@ from ddpctx import HangError, RankError, RankTimeoutError, distributed, launch
 from ddpctx.hang.inflight import Tracker
 from ddpctx.hang.peers import describe
 from ddpctx.hang.report import PREFIX, Exchange, RankState, format_report
-from ddpctx.hang.watchdog import HangSettings, Watchdog, resolve_hang_settings
+from ddpctx.hang.settings import HangSettings, resolve_hang_settings
+from ddpctx.hang.watchdog import Watchdog
 from tests.helpers import REPO, patience, run_torchrun, start_torchrun
 
 SCRIPT = REPO / "tests" / "scripts" / "hang_case.py"
@@ -267,6 +268,55 @@ def test_under_on_hang_raise_a_rank_that_leaves_before_the_report_still_raises_i
     publish.join()
     assert isinstance(tracker.failure, HangError)
     assert str(tracker.failure) == "ddpctx hang report: the one"
+
+
+def test_a_stall_does_not_hide_ranks_in_different_collectives() -> None:
+    states: list[RankState | None] = [
+        RankState(0, "barrier()", 6.0, "train.py:9 in f", ""),
+        RankState(1, "all_reduce()", 0.0, "train.py:12 in g", "", None, 6.2),
+    ]
+    report = format_report(states, 3).splitlines()
+    assert rank_line(report, 1).endswith("after 6 s in which it could not run")
+    assert report[3].startswith("diagnosis: ranks are in different collectives: barrier at")
+
+
+def test_a_watchdog_that_could_not_run_says_for_how_long_in_its_answer() -> None:
+    # Rank 1's main thread holds the GIL in native code for 4 s (so its watchdog cannot
+    # run) while rank 0 opens an incident; once back, the watchdog answers with the stall.
+    import ctypes
+
+    store = dist.HashStore()
+    watchdog = Watchdog(HangSettings(60.0, "report", False), Tracker(), store, 1, 2).start()
+    try:
+        beat = store.get(f"{PREFIX}alive/rank1")
+        deadline = time.monotonic() + patience(10)
+        while store.get(f"{PREFIX}alive/rank1") == beat:  # just after a tick: the next is 1 s off
+            assert time.monotonic() < deadline, "the watchdog did not tick"
+            time.sleep(0.01)
+        Exchange(store, 0, 2).open_next(0)
+        ctypes.PyDLL(None).sleep(4)  # native code, GIL held
+        deadline = time.monotonic() + patience(10)
+        while not store.check([f"{PREFIX}1/rank1"]):
+            assert time.monotonic() < deadline, "the watchdog did not answer the incident"
+            time.sleep(0.05)
+    finally:
+        watchdog.stop()
+    answer = RankState.from_json(store.get(f"{PREFIX}1/rank1"))
+    assert 2.0 <= answer.stalled <= 4.0 + patience(2)
+
+
+def test_a_watchdog_that_ran_on_time_answers_with_no_stall() -> None:
+    store = dist.HashStore()
+    watchdog = Watchdog(HangSettings(60.0, "report", False), Tracker(), store, 1, 2).start()
+    try:
+        Exchange(store, 0, 2).open_next(0)
+        deadline = time.monotonic() + patience(10)
+        while not store.check([f"{PREFIX}1/rank1"]):
+            assert time.monotonic() < deadline, "the watchdog did not answer the incident"
+            time.sleep(0.05)
+    finally:
+        watchdog.stop()
+    assert RankState.from_json(store.get(f"{PREFIX}1/rank1")).stalled == 0.0
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout
@@ -563,6 +613,7 @@ states = st.builds(
     waited=st.floats(0, 1000),
     site=st.sampled_from(["train.py:57 in main", "eval.py:30 in evaluate", "?"]),
     stack=st.just('  File "train.py", line 57, in main'),
+    stalled=st.one_of(st.just(0.0), st.floats(2, 100)),
 )
 
 
@@ -571,7 +622,7 @@ def test_a_report_has_a_headline_a_line_per_rank_a_diagnosis_and_the_stacks(
     answers: list[RankState | None],
 ) -> None:
     answers = [
-        None if s is None else RankState(r, s.op, s.waited, s.site, s.stack)
+        None if s is None else RankState(r, s.op, s.waited, s.site, s.stack, None, s.stalled)
         for r, s in enumerate(answers)
     ]
     lines = format_report(answers, 60).splitlines()
@@ -579,8 +630,35 @@ def test_a_report_has_a_headline_a_line_per_rank_a_diagnosis_and_the_stacks(
     assert [line.split(":")[0].strip() for line in lines[1 : 1 + len(answers)]] == [
         f"rank {rank}" for rank in range(len(answers))
     ]
-    assert lines[1 + len(answers)].startswith("diagnosis: ")
+    diagnosis = lines[1 + len(answers)]
+    assert diagnosis.startswith("diagnosis: ")
     assert lines.count("--- rank 0 ---") == (answers[0] is not None)
+    # A rank that could not run just before it answered says so on its line, and only then;
+    # the diagnosis blames a stall only when a waiting rank waited for a rank that had one,
+    # which then began a wait shorter than hang_timeout.
+    for rank, state in enumerate(answers):
+        said = "in which it could not run" in lines[1 + rank]
+        assert said == (state is not None and state.stalled > 0)
+    if "could not run for" in diagnosis:
+        came_back = [s for s in answers if s is not None and s.stalled and s.op and s.waited < 60]
+        waiting = [s for s in answers if s is not None and s.op is not None]
+        assert any(w.rank != s.rank for s in came_back for w in waiting)
+
+
+def test_a_rank_that_could_not_run_and_then_answered_is_named_not_the_collective() -> None:
+    # Found by the outside attack: rank 1 held the GIL for 6 s, answered once it came back,
+    # as "waiting in barrier() (0 s)", and the diagnosis blamed the collective itself.
+    states: list[RankState | None] = [
+        RankState(0, "barrier()", 6.0, "train.py:9 in f", ""),
+        RankState(1, "barrier()", 0.0, "train.py:9 in f", "", None, 6.2),
+    ]
+    report = format_report(states, 3).splitlines()
+    assert rank_line(report, 1).endswith("(0 s) after 6 s in which it could not run")
+    assert report[3] == (
+        "diagnosis: rank 1 could not run for 6 s while 1 rank waits for it (rank 0 in "
+        "barrier()): it held the GIL in native code, was stopped (SIGSTOP, a debugger) or got "
+        "no CPU, and answered once it ran again."
+    )
 
 
 # --- the example that hangs on purpose, and the README's copy of its report ---------------

@@ -92,7 +92,7 @@ def option_problems(environ: Mapping[str, str]) -> list[str]:
         >>> option_problems({"DDPCTX_DEBUG": "bogus"})  # doctest: +ELLIPSIS
         ["ValueError: DDPCTX_DEBUG='bogus' is not a debug mode; ..."]
     """
-    from ddpctx.hang.watchdog import resolve_hang_settings
+    from ddpctx.hang.settings import resolve_hang_settings
     from ddpctx.utils.env import DEFAULT_TIMEOUT, resolve_timeout
 
     problems = []

@@ -52,6 +52,7 @@ class RankState:
     site: str
     stack: str
     peers: list[int] | None = None  # the ranks ``op`` waits with (None: every rank)
+    stalled: float = 0.0  # seconds it could not run just before it answered (0: it could)
 
     def awaits(self, world_size: int) -> set[int]:
         """The other ranks this rank's wait depends on (none when it waits in nothing)."""
@@ -104,12 +105,17 @@ def _fold_line(count: int, last: str) -> str:
 
 
 def snapshot(
-    rank: int, op: str | None, waited: float, peers: tuple[int, ...] | None = None
+    rank: int,
+    op: str | None,
+    waited: float,
+    peers: tuple[int, ...] | None = None,
+    stalled: float = 0.0,
 ) -> RankState:
     """This rank's state, taken from the watchdog thread."""
     frame = main_thread_frame()
     members = None if peers is None or op is None else list(peers)
-    return RankState(rank, op, round(waited, 1), user_site(frame), folded_stack(frame), members)
+    site, stack = user_site(frame), folded_stack(frame)
+    return RankState(rank, op, round(waited, 1), site, stack, members, round(stalled, 1))
 
 
 class Exchange:
@@ -227,6 +233,20 @@ def _silent_diagnosis(silent: list[int], answered: list[RankState], world_size: 
     )
 
 
+def _stalled_diagnosis(stalled: list[RankState], answered: list[RankState], size: int) -> str:
+    """Ranks waited for ``stalled`` ranks, which answered only once they could run again."""
+    ranks = [s.rank for s in stalled]
+    blocked = [s for s in answered if s.awaits(size) & set(ranks)]
+    details = "; ".join(f"rank {s.rank} in {s.op}" for s in blocked)
+    one, waiters = len(ranks) == 1, len(blocked)
+    count = f"{waiters} rank{'s' if waiters > 1 else ''} wait{'s' if waiters == 1 else ''}"
+    return (
+        f"diagnosis: {ranks_text(ranks)} could not run for {max(s.stalled for s in stalled):.0f} s "
+        f"while {count} for {'it' if one else 'them'} ({details}): it held the GIL in native "
+        "code, was stopped (SIGSTOP, a debugger) or got no CPU, and answered once it ran again."
+    )
+
+
 def _bare_op(op: str | None) -> str:
     return (op or "").removesuffix("()").split(" (", 1)[0]
 
@@ -266,11 +286,22 @@ def format_report(
         tail = (
             f"({state.waited:.0f} s)" if state.op else ("<- stuck here" if rank in awaited else "")
         )
+        if state.stalled:
+            tail = f"{tail} after {state.stalled:.0f} s in which it could not run".lstrip()
         lines.append(f"  rank {rank}: {what:<30} at {state.site:<30} {tail}".rstrip())
     diagnosis = diagnose(answered, len(states)) if answered else "diagnosis: no rank answered."
     silent_awaited = [rank for rank in silent if rank in awaited]
+    # Waits that began after the incident did, by ranks that could not run before: they
+    # came back; it is the stall, not "the collective itself", that held the others.
+    stalled = [
+        s for s in answered if s.stalled and s.op and s.waited < hang_timeout and s.rank in awaited
+    ]
     if silent_awaited and " is not in any collective" not in diagnosis:
         diagnosis = _silent_diagnosis(silent_awaited, answered, len(states))
+    elif stalled and diagnosis.startswith("diagnosis: every rank that answered waits in"):
+        diagnosis = _stalled_diagnosis(stalled, answered, len(states))
+        if silent:
+            diagnosis += f" ({ranks_text(silent)} did not answer.)"
     elif silent:
         diagnosis += f" ({ranks_text(silent)} did not answer.)"
     lines.append(diagnosis)

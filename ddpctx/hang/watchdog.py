@@ -26,10 +26,7 @@ context, before the process group is destroyed, within a bounded time.
 Layering: below :mod:`ddpctx.session.context`, which starts it; knows
 ``torch.distributed``'s store and nothing of decorators.
 
-Example:
-    >>> settings = resolve_hang_settings(None, "report", False, 600.0, {})
-    >>> settings.hang_timeout, settings.on_hang, settings.debug
-    (120.0, 'report', False)
+Its options are resolved by :mod:`ddpctx.hang.settings`.
 """
 
 from __future__ import annotations
@@ -41,20 +38,16 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch.distributed.distributed_c10d as c10d
 
 from ddpctx.hang.inflight import HangError, Tracker, install
 from ddpctx.hang.lockstep import Lockstep
 from ddpctx.hang.report import Exchange, RankState, format_report, snapshot
+from ddpctx.hang.settings import HangSettings
 from ddpctx.utils.errors import record_for_torchrun
 
-#: The longest default ``hang_timeout``, in seconds.
-MAX_DEFAULT_HANG_TIMEOUT_S = 300.0
-#: The shortest ``hang_timeout`` accepted (0 turns the doctor off): one watchdog tick.
-MIN_HANG_TIMEOUT_S = 1.0
 #: How often the watchdog wakes (at most once a second, by contract).
 TICK_S = 1.0
 #: How long rank 0 waits for the other ranks' answers.
@@ -63,128 +56,8 @@ ANSWER_WAIT_S = 4.0
 RAISE_GRACE_S = 3.0
 #: How long leaving the context waits for the thread.
 STOP_WAIT_S = 5.0
-
-ON_HANG = ("report", "raise")
-
-
-@dataclass(frozen=True)
-class HangSettings:
-    """The resolved options: ``hang_timeout`` seconds (0: off), ``on_hang``, ``debug``."""
-
-    hang_timeout: float
-    on_hang: str
-    debug: bool
-
-    @property
-    def active(self) -> bool:
-        return self.hang_timeout > 0 or self.debug
-
-
-def resolve_hang_settings(
-    hang_timeout: object,
-    on_hang: object,
-    debug: object,
-    collective_timeout_s: float,
-    environ: Mapping[str, str],
-) -> HangSettings:
-    """Check and resolve the hang doctor's options; no side effects.
-
-    >>> environ = {"DDPCTX_HANG_TIMEOUT": "5"}
-    >>> resolve_hang_settings(None, "raise", False, 600.0, environ).hang_timeout
-    5.0
-    >>> resolve_hang_settings(None, "report", False, 3600.0, {}).hang_timeout
-    300.0
-    """
-    if on_hang not in ON_HANG:
-        raise ValueError(
-            f"on_hang={on_hang!r} is not an option; pass on_hang='report' (print the report, "
-            "keep waiting) or on_hang='raise' (every rank raises HangError)."
-        )
-    if not isinstance(debug, bool):
-        raise ValueError(f"debug={debug!r} must be True or False.")
-    seconds, name = _hang_seconds(hang_timeout, collective_timeout_s, environ)
-    if 0 < seconds < MIN_HANG_TIMEOUT_S:
-        raise ValueError(
-            f"{name}={seconds:g} s is below the hang doctor's floor of "
-            f"{MIN_HANG_TIMEOUT_S:g} s (its thread wakes once a second, so a shorter wait "
-            f"cannot be told from healthy work). {_fix(name, collective_timeout_s)}"
-        )
-    if seconds >= collective_timeout_s:
-        raise ValueError(
-            f"{name}={seconds:g} s is not below the collective timeout of "
-            f"{collective_timeout_s:g} s, so the report would come after the job failed. "
-            f"{_fix(name, collective_timeout_s)}"
-        )
-    return HangSettings(seconds, str(on_hang), debug or _debug_from_env(environ))
-
-
-def _fix(name: str, collective_timeout_s: float) -> str:
-    """What to set instead of a refused hang timeout: only values that are accepted."""
-    suggestion = _default_hang_seconds(collective_timeout_s)
-    if suggestion:
-        return (
-            f"Set {name}={suggestion:g} (from {MIN_HANG_TIMEOUT_S:g} s up to below the "
-            f"collective timeout of {collective_timeout_s:g} s), or {name}=0 to turn the "
-            "hang doctor off."
-        )
-    return (
-        f"The collective timeout of {collective_timeout_s:g} s leaves no room above the floor "
-        f"of {MIN_HANG_TIMEOUT_S:g} s: set {name}=0 to turn the hang doctor off, or a "
-        f"timeout above {MIN_HANG_TIMEOUT_S:g} s."
-    )
-
-
-def _default_hang_seconds(collective_timeout_s: float) -> float:
-    """A fifth of the collective timeout, at most 300 s, never below the floor.
-
-    A collective timeout too short for even the floor (``launch(timeout=1)``)
-    leaves the doctor off by default: its report could not come before the
-    job fails.
-
-    >>> _default_hang_seconds(2.0), _default_hang_seconds(1.0), _default_hang_seconds(60.0)
-    (1.0, 0.0, 12.0)
-    """
-    seconds = min(collective_timeout_s / 5, MAX_DEFAULT_HANG_TIMEOUT_S)
-    if seconds >= MIN_HANG_TIMEOUT_S:
-        return seconds
-    return MIN_HANG_TIMEOUT_S if collective_timeout_s > MIN_HANG_TIMEOUT_S else 0.0
-
-
-def _hang_seconds(
-    value: object, collective_timeout_s: float, environ: Mapping[str, str]
-) -> tuple[float, str]:
-    """``(seconds, the name it came from)``: ``hang_timeout`` or ``DDPCTX_HANG_TIMEOUT``."""
-    if value is None:
-        raw = environ.get("DDPCTX_HANG_TIMEOUT", "").strip()
-        if raw == "":
-            return _default_hang_seconds(collective_timeout_s), "hang_timeout"
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = -1.0
-        if not 0 <= seconds < float("inf"):
-            raise ValueError(
-                f"DDPCTX_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0. "
-                f"{_fix('DDPCTX_HANG_TIMEOUT', collective_timeout_s)} Or unset it for the default."
-            )
-        return seconds, "DDPCTX_HANG_TIMEOUT"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(
-            f"hang_timeout={value!r} must be a number of seconds >= 0. "
-            f"{_fix('hang_timeout', collective_timeout_s)}"
-        )
-    return float(value), "hang_timeout"
-
-
-def _debug_from_env(environ: Mapping[str, str]) -> bool:
-    raw = environ.get("DDPCTX_DEBUG", "").strip()
-    if raw in ("", "0"):
-        return False
-    if raw == "collectives":
-        return True
-    raise ValueError(
-        f"DDPCTX_DEBUG={raw!r} is not a debug mode; set DDPCTX_DEBUG=collectives, or unset it."
-    )
+#: A tick this much later than due: the rank could not run Python (the report says so).
+STALL_S = 2.0
 
 
 class Watchdog:
@@ -202,6 +75,7 @@ class Watchdog:
         self._seen = self._before = self.exchange.newest()  # incidents of earlier blocks
         self._covered = -1  # the wait (tracker.entered) that an incident already covered
         self._thread = threading.Thread(target=self._run, name="ddpctx-watchdog", daemon=True)
+        self._ticked = time.monotonic()  # when this thread last ran
 
     def start(self) -> Watchdog:
         self.exchange.beat()  # from the main thread: a rank silent from the start has a time too
@@ -235,23 +109,28 @@ class Watchdog:
 
     def _tick(self) -> None:
         self.exchange.beat()
-        op, waited = self.tracker.waited(time.monotonic())
+        now = time.monotonic()
+        # A tick due a second ago that comes seconds late: the GIL was held in native
+        # code, the process was stopped or got no CPU; an answer now says so.
+        late, self._ticked = now - self._ticked - TICK_S, now
+        stalled = late if late >= STALL_S else 0.0
+        op, waited = self.tracker.waited(now)
         newest = self.exchange.newest()
         if newest > self._seen:
-            self._handle(newest, op, waited)
+            self._handle(newest, op, waited, stalled)
         elif (
             op is not None
             and waited >= self.settings.hang_timeout
             and self.tracker.entered != self._covered
         ):
-            self._handle(self.exchange.open_next(self._seen), op, waited)
+            self._handle(self.exchange.open_next(self._seen), op, waited, stalled)
 
-    def _handle(self, incident: int, op: str | None, waited: float) -> None:
+    def _handle(self, incident: int, op: str | None, waited: float, stalled: float) -> None:
         self._seen = incident
         if op is not None:
             self._covered = self.tracker.entered
         peers = self.tracker.peers if self.tracker.op is not None else None
-        self.exchange.answer(incident, snapshot(self.rank, op, waited, peers))
+        self.exchange.answer(incident, snapshot(self.rank, op, waited, peers, stalled))
         # Rank 0 reports; when it cannot (GIL held in native code, stopped), the first
         # other rank that finds no report in time does, naming rank 0 as not answering.
         report = self._report(incident) if self.rank == 0 else None

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from ddpctx.hang.inflight import hook_fsdp_roots
-from ddpctx.hang.watchdog import Doctor, HangSettings, resolve_hang_settings
+from ddpctx.hang.settings import HangSettings, resolve_hang_settings
+from ddpctx.hang.watchdog import Doctor
 from ddpctx.parallel.precision import Precision, PrecisionName, resolve_precision
 from ddpctx.session.distcontext import DistContext
 from ddpctx.session.group import destroy_group_bounded, init_group
