@@ -96,6 +96,7 @@ class FastPath:
         "keys",
         "loss",
         "mean",
+        "move",
         "op",
         "plan",
         "shape",
@@ -127,6 +128,7 @@ class FastPath:
         self.dtypes = {first.native}
         self.device = first.device  # the leaves' (tensors)
         self.comm = device  # the buffer's
+        self.move = world > 1 and device != first.device  # back to the leaves' device
         self.from_numbers = (
             self.tensors and wire.dtype == torch.float64 and self.target.is_floating_point
         )
@@ -273,7 +275,8 @@ class FastPath:
             target = self.target
             if not target.is_floating_point and body.is_floating_point():
                 body = body.round()
-            values = rounded(body, target).to(self.device).unbind(0)
+            body = rounded(body, target)
+            values = (body.to(self.device) if self.move else body).unbind(0)
         else:
             if numbers is None:
                 numbers = reduced.tolist()
