@@ -35,6 +35,7 @@ def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
     training = launch(runner.training_rank, 2, 2, world_size=2, timeout=120)[0]
     assert set(training) == {
         "hand-written loop",
+        "hand-written loop, again",
         "hand-written loop, async_op",
         "ddpctx loop",
         "ddpctx loop, async_op",
