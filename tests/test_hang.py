@@ -270,14 +270,45 @@ def test_under_on_hang_raise_a_rank_that_leaves_before_the_report_still_raises_i
     assert str(tracker.failure) == "ddpctx hang report: the one"
 
 
-def test_a_stall_does_not_hide_ranks_in_different_collectives() -> None:
-    states: list[RankState | None] = [
-        RankState(0, "barrier()", 6.0, "train.py:9 in f", ""),
-        RankState(1, "all_reduce()", 0.0, "train.py:12 in g", "", None, 6.2),
-    ]
-    report = format_report(states, 3).splitlines()
-    assert rank_line(report, 1).endswith("after 6 s in which it could not run")
-    assert report[3].startswith("diagnosis: ranks are in different collectives: barrier at")
+@pytest.mark.parametrize(
+    "back",
+    [
+        RankState(1, None, 0.0, "train.py:12 in g", "", None, 5.1),  # not yet in the next one
+        RankState(1, "barrier()", 0.0, "train.py:12 in g", "", None, 5.1),  # a line further
+    ],
+    ids=["outside-collectives", "in-the-next-collective"],
+)
+def test_a_rank_that_could_not_run_is_the_diagnosis_wherever_it_is_now(back: RankState) -> None:
+    # Found by the outside attack (6 of 9 runs, GIL stalls and SIGSTOP of 4-6 s): the rank,
+    # just back, was not yet in a collective (so "not in any collective ... took a branch")
+    # or already in the next one while the others' answers were older ("ranks are in
+    # different collectives"); both blamed something that did not happen.
+    states: list[RankState | None] = [RankState(0, "barrier()", 3.0, "train.py:11 in g", ""), back]
+    report = format_report(states, 2).splitlines()
+    assert rank_line(report, 1).endswith("after 5 s in which it could not run")
+    assert "stuck here" not in rank_line(report, 1)
+    assert report[3].startswith("diagnosis: rank 1 could not run for 5 s while 1 rank waits")
+
+
+def test_the_silence_of_a_rank_that_does_not_answer_is_as_of_the_incidents_opening() -> None:
+    # Found by the outside attack: "no collective has completed for 3 s" and rank 1's
+    # "(3 s)" are as of the answers, and "rank 0: not answering for 10 s" was as of the
+    # report, 7 s later. Now all three are as of the incident's opening.
+    store = dist.HashStore()
+    silent, reporter = Exchange(store, 0, 2), Exchange(store, 1, 2)
+    silent.beat()
+    time.sleep(0.3)
+    assert reporter.newest() == 0  # as a watchdog does on starting
+    assert reporter.open_next(0) == 1
+    opened = reporter.opened(1)
+    assert opened is not None
+    assert opened <= time.time()
+    time.sleep(0.5)  # the answers are being collected
+    (age,) = reporter.silence([0], opened).values()
+    assert 0.3 <= age < 0.3 + patience(0.5)
+    assert reporter.silence([0])[0] >= age + 0.5  # as of now, it would be longer
+    reporter.open_next(0)  # a rank that saw incident 1 late does not move its moment
+    assert reporter.opened(1) == opened
 
 
 def test_a_watchdog_that_could_not_run_says_for_how_long_in_its_answer() -> None:
@@ -634,13 +665,12 @@ def test_a_report_has_a_headline_a_line_per_rank_a_diagnosis_and_the_stacks(
     assert diagnosis.startswith("diagnosis: ")
     assert lines.count("--- rank 0 ---") == (answers[0] is not None)
     # A rank that could not run just before it answered says so on its line, and only then;
-    # the diagnosis blames a stall only when a waiting rank waited for a rank that had one,
-    # which then began a wait shorter than hang_timeout.
+    # the diagnosis blames a stall only when a waiting rank waited for a rank that had one.
     for rank, state in enumerate(answers):
         said = "in which it could not run" in lines[1 + rank]
         assert said == (state is not None and state.stalled > 0)
     if "could not run for" in diagnosis:
-        came_back = [s for s in answers if s is not None and s.stalled and s.op and s.waited < 60]
+        came_back = [s for s in answers if s is not None and s.stalled]
         waiting = [s for s in answers if s is not None and s.op is not None]
         assert any(w.rank != s.rank for s in came_back for w in waiting)
 

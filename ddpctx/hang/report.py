@@ -134,20 +134,31 @@ class Exchange:
         """Open incident ``seen + 1``, unless another rank already did; returns the newest."""
         key = PREFIX + "open"
         self.store.compare_set(key, str(seen), str(seen + 1))
+        # when it opened (the first rank to note it wins): the report's moment
+        self.store.compare_set(f"{PREFIX}{seen + 1}/opened", "", repr(time.time()))
         return self.newest()
+
+    def opened(self, incident: int) -> float | None:
+        """The wall-clock time incident ``incident`` was opened (None: not noted)."""
+        key = f"{PREFIX}{incident}/opened"
+        return float(self.store.get(key)) if self.store.check([key]) else None
 
     def beat(self) -> None:
         """Note that this rank's watchdog ran now (the report says how long a silent rank was)."""
         self.store.set(f"{PREFIX}alive/rank{self.rank}", repr(time.time()))
 
-    def silence(self, ranks: list[int]) -> dict[int, float]:
-        """Seconds since each of ``ranks`` last beat (ranks that never beat are left out)."""
+    def silence(self, ranks: list[int], at: float | None = None) -> dict[int, float]:
+        """Seconds each of ``ranks`` had not beat at time ``at`` (default: now).
+
+        Ranks that never beat are left out.
+        """
+        moment = time.time() if at is None else at
         ages = {}
         for rank in ranks:
             key = f"{PREFIX}alive/rank{rank}"
             if self.store.check([key]):
                 value = self.store.get(key)
-                ages[rank] = max(0.0, time.time() - float(value))
+                ages[rank] = max(0.0, moment - float(value))
         return ages
 
     def claim(self, incident: int) -> bool:
@@ -286,19 +297,19 @@ def format_report(
         tail = (
             f"({state.waited:.0f} s)" if state.op else ("<- stuck here" if rank in awaited else "")
         )
-        if state.stalled:
-            tail = f"{tail} after {state.stalled:.0f} s in which it could not run".lstrip()
+        if state.stalled:  # it has just come back: where it is now is not where it was
+            tail = f"({state.waited:.0f} s) " if state.op else ""
+            tail += f"after {state.stalled:.0f} s in which it could not run"
         lines.append(f"  rank {rank}: {what:<30} at {state.site:<30} {tail}".rstrip())
     diagnosis = diagnose(answered, len(states)) if answered else "diagnosis: no rank answered."
     silent_awaited = [rank for rank in silent if rank in awaited]
-    # Waits that began after the incident did, by ranks that could not run before: they
-    # came back; it is the stall, not "the collective itself", that held the others.
-    stalled = [
-        s for s in answered if s.stalled and s.op and s.waited < hang_timeout and s.rank in awaited
-    ]
+    # Ranks the others waited for that could not run until just before they answered:
+    # the stall held the others. Where such a rank is now (just back: outside any
+    # collective, or in the next one) says nothing of why the others waited.
+    stalled = [s for s in answered if s.stalled and s.rank in awaited]
     if silent_awaited and " is not in any collective" not in diagnosis:
         diagnosis = _silent_diagnosis(silent_awaited, answered, len(states))
-    elif stalled and diagnosis.startswith("diagnosis: every rank that answered waits in"):
+    elif stalled:
         diagnosis = _stalled_diagnosis(stalled, answered, len(states))
         if silent:
             diagnosis += f" ({ranks_text(silent)} did not answer.)"

@@ -152,7 +152,8 @@ class Watchdog:
             return None
         states = self.exchange.collect(incident, time.monotonic() + wait_s)
         silent = [rank for rank, state in enumerate(states) if state is None]
-        silent_for = self.exchange.silence(silent)
+        # as of the incident's opening, as the answers' waits are (not of this moment)
+        silent_for = self.exchange.silence(silent, self.exchange.opened(incident))
         report = format_report(states, self.settings.hang_timeout, silent_for=silent_for)
         print(report, file=sys.stderr, flush=True)
         self.exchange.publish(incident, report)
