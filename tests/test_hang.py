@@ -326,13 +326,9 @@ def test_a_watchdog_that_could_not_run_says_for_how_long_in_its_answer() -> None
             time.sleep(0.01)
         Exchange(store, 0, 2).open_next(0)
         ctypes.PyDLL(None).sleep(4)  # native code, GIL held
-        deadline = time.monotonic() + patience(10)
-        while not store.check([f"{PREFIX}1/rank1"]):
-            assert time.monotonic() < deadline, "the watchdog did not answer the incident"
-            time.sleep(0.05)
+        answer = rank1_answer(store)
     finally:
         watchdog.stop()
-    answer = RankState.from_json(store.get(f"{PREFIX}1/rank1"))
     assert 2.0 <= answer.stalled <= 4.0 + patience(2)
 
 
@@ -341,13 +337,19 @@ def test_a_watchdog_that_ran_on_time_answers_with_no_stall() -> None:
     watchdog = Watchdog(HangSettings(60.0, "report", False), Tracker(), store, 1, 2).start()
     try:
         Exchange(store, 0, 2).open_next(0)
-        deadline = time.monotonic() + patience(10)
-        while not store.check([f"{PREFIX}1/rank1"]):
-            assert time.monotonic() < deadline, "the watchdog did not answer the incident"
-            time.sleep(0.05)
+        answer = rank1_answer(store)
     finally:
         watchdog.stop()
-    assert RankState.from_json(store.get(f"{PREFIX}1/rank1")).stalled == 0.0
+    assert answer.stalled == 0.0
+
+
+def rank1_answer(store: Any) -> RankState:
+    """Rank 1's answer to incident 1, once its watchdog gave it."""
+    deadline = time.monotonic() + patience(10)
+    while not store.check([f"{PREFIX}1/rank1"]):
+        assert time.monotonic() < deadline, "the watchdog did not answer the incident"
+        time.sleep(0.05)
+    return RankState.from_json(store.get(f"{PREFIX}1/rank1"))
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout

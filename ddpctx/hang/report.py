@@ -233,13 +233,10 @@ def diagnose(states: list[RankState], world_size: int | None = None) -> str:
 
 def _silent_diagnosis(silent: list[int], answered: list[RankState], world_size: int) -> str:
     """Ranks wait for ``silent`` ranks, which did not answer."""
-    blocked = [s for s in answered if s.awaits(world_size) & set(silent)]
-    details = "; ".join(f"rank {s.rank} in {s.op}" for s in blocked)
-    one, waiters = len(silent) == 1, len(blocked)
-    count = f"{waiters} rank{'s' if waiters > 1 else ''} wait{'s' if waiters == 1 else ''}"
+    one = len(silent) == 1
     return (
         f"diagnosis: {ranks_text(silent)} {'is' if one else 'are'} not answering while "
-        f"{count} for {'it' if one else 'them'} ({details}): it may hold the GIL in native "
+        f"{_waiting_for(silent, answered, world_size)}: it may hold the GIL in native "
         "code, be stopped (SIGSTOP, a debugger), or be gone."
     )
 
@@ -247,15 +244,20 @@ def _silent_diagnosis(silent: list[int], answered: list[RankState], world_size: 
 def _stalled_diagnosis(stalled: list[RankState], answered: list[RankState], size: int) -> str:
     """Ranks waited for ``stalled`` ranks, which answered only once they could run again."""
     ranks = [s.rank for s in stalled]
-    blocked = [s for s in answered if s.awaits(size) & set(ranks)]
-    details = "; ".join(f"rank {s.rank} in {s.op}" for s in blocked)
-    one, waiters = len(ranks) == 1, len(blocked)
-    count = f"{waiters} rank{'s' if waiters > 1 else ''} wait{'s' if waiters == 1 else ''}"
     return (
         f"diagnosis: {ranks_text(ranks)} could not run for {max(s.stalled for s in stalled):.0f} s "
-        f"while {count} for {'it' if one else 'them'} ({details}): it held the GIL in native "
+        f"while {_waiting_for(ranks, answered, size)}: it held the GIL in native "
         "code, was stopped (SIGSTOP, a debugger) or got no CPU, and answered once it ran again."
     )
+
+
+def _waiting_for(ranks: list[int], answered: list[RankState], world_size: int) -> str:
+    """``"2 ranks wait for it (rank 0 in barrier(); rank 2 in barrier())"``."""
+    blocked = [s for s in answered if s.awaits(world_size) & set(ranks)]
+    details = "; ".join(f"rank {s.rank} in {s.op}" for s in blocked)
+    waiters = len(blocked)
+    count = f"{waiters} rank{'s' if waiters > 1 else ''} wait{'s' if waiters == 1 else ''}"
+    return f"{count} for {'it' if len(ranks) == 1 else 'them'} ({details})"
 
 
 def _bare_op(op: str | None) -> str:
