@@ -9,6 +9,8 @@ stuck. Keys live under ``ddpctx/hang/`` of that store:
 - ``open``: the number of the newest incident. A rank whose wait passed
   ``hang_timeout`` opens the next one with an atomic compare-and-set, so ranks
   that notice together open it once.
+- ``<n>/opened``: the wall-clock time incident ``n`` opened (the first rank to
+  note it wins); a silent rank's silence is counted to it, as the waits are.
 - ``<n>/rank<r>``: rank ``r``'s :class:`RankState` for incident ``n``, written
   by its watchdog thread (which runs while the main thread is blocked).
 - ``<n>/reporter``: a counter; the rank that bumps it first writes the report

@@ -10,7 +10,10 @@ thread holds the GIL in native code, or the process is stopped), the first
 other rank that sees no report within a few seconds prints it, naming the
 ranks that did not answer and how long since each last showed life (every
 watchdog notes the time in the store at each tick). A rank holding the GIL
-cannot answer at all: what it waits in is unknown until it lets go. The waits that an incident
+cannot answer at all: what it waits in is unknown until it lets go. A rank whose
+watchdog could not run for ``STALL_S`` or more (GIL held, stopped, no CPU) and
+answers once it runs again says for how long, and the report names that stall
+as what the others waited for. The waits that an incident
 covered are not reported again, so a slow rank-0 checkpoint write is reported
 once and the job goes on (``on_hang="report"``). With ``on_hang="raise"``
 every rank then raises :class:`HangError` carrying the report: ranks running
