@@ -133,6 +133,52 @@ def test_a_warm_pools_failure_keeps_that_tasks_output_only() -> None:
     assert outputs[1][0] == "rank 1 about to fail\n", outputs
 
 
+def note_in_the_store(key: str) -> bool:
+    """Whether this task's store already holds ``key``; then sets it."""
+    store = dist.distributed_c10d._get_default_store()
+    seen = store.check([key])
+    dist.barrier()  # every rank has looked before any sets it
+    store.set(key, str(ddpctx.current().rank))
+    return seen
+
+
+def agreed_port() -> str:
+    return os.environ["MASTER_PORT"]
+
+
+def listening_and_store_port() -> tuple[list[str], int]:
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # the task's prefix, the group's prefix
+        store = store.underlying_store
+    return listening_addresses(os.getpid()), store.port
+
+
+def test_each_task_of_a_warm_pool_sees_a_store_of_its_own() -> None:
+    from ddpctx.launching.pool import RankPool
+
+    with RankPool(2) as pool:
+        assert pool.run(note_in_the_store, ("ddpctx-test/left-over",)) == [False, False]
+        # The group's own prefix is the same every task: only the task's prefix keeps them apart.
+        assert pool.run(note_in_the_store, ("ddpctx-test/left-over",)) == [False, False]
+        ports = [pool.run(agreed_port, init=False) for _ in range(2)]
+    assert all(len(set(pair)) == 1 for pair in ports), ports  # the ranks agree within a task
+
+
+def test_a_warm_pools_store_is_served_by_rank_zero_on_loopback_only() -> None:
+    from ddpctx.launching.pool import RankPool
+
+    with RankPool(3) as pool:
+        seen = pool.run(listening_and_store_port)
+    addresses = [per_rank for per_rank, _ in seen]
+    store_port = str(seen[0][1])
+    assert {str(port) for _, port in seen} == {store_port}, seen  # one store for all ranks
+    # Rank 0 listens for the store and for gloo; the others for gloo only.
+    ports = [{address.rsplit(":", 1)[1] for address in per_rank} for per_rank in addresses]
+    assert store_port in ports[0], seen
+    assert all(store_port not in per_rank for per_rank in ports[1:]), seen
+    assert all(a.startswith(("127.", "::1")) for per_rank in addresses for a in per_rank)
+
+
 def hang_on_rank_zero() -> None:
     if ddpctx.current().rank == 0:
         time.sleep(60)

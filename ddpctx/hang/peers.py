@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ def describe_transfer(
     return f"{name} {direction} any rank", None
 
 
+@functools.cache  # the doctor is installed per block, on the same few functions every time
 def group_position(function: Callable[..., Any]) -> int | None:
     """The index of ``function``'s ``group`` parameter when passed by position, else None."""
     try:

@@ -1,8 +1,8 @@
 """The hang report: each rank's state and stack, exchanged over the job's store, and the diagnosis.
 
 Side channel: the store the process group was formed on -- torchrun's
-``TCPStore`` (a client connection that already exists), the ``FileStore`` of
-``launch()`` and the pytest plugin, the ``HashStore`` of a single process.
+``TCPStore`` (a client connection that already exists), the loopback
+``TCPStore`` of ``launch()`` and the pytest plugin, the ``HashStore`` of a single process.
 No new listening port, and never the process group itself, which is what is
 stuck. Keys live under ``ddpctx/hang/`` of that store:
 

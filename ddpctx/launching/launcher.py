@@ -15,9 +15,11 @@ This module is the one engine behind :func:`launch` and the pytest plugin
   fresh process group. If CUDA is already initialised in the caller,
   forking is unsafe and :func:`launch` refuses with an explanation. What
   happens inside a worker is :mod:`ddpctx.launching.worker`.
-- **Rendezvous** goes through a ``FileStore`` in a private temporary
-  directory (mode 0700): no TCP port at all. gloo's own transport socket is
-  pinned to the loopback interface.
+- **Rendezvous** goes through one ``TCPStore`` per pool, served by rank 0 on
+  a socket the caller bound to ``127.0.0.1`` before forking, with a fresh key
+  prefix per task (:mod:`ddpctx.launching.poolstore`; a ``FileStore`` polls and
+  made every test's group formation about 10 ms slower). gloo's own transport
+  socket is pinned to the loopback interface.
 - **Fail-fast**: the first rank to fail ends the task; the other ranks get a
   short grace period to report follow-on errors, then they are killed and the
   pool is marked spoiled (a new one is started next time). The error names
@@ -93,7 +95,7 @@ def launch(
     if timeout is not None:
         check_timeout(timeout, f"timeout={timeout!r}")
     with _exit_on_hangup():
-        pool = RankPool(world_size, first=Task(fn, args, kwargs, seed, timeout, store=""))
+        pool = RankPool(world_size, first=Task(fn, args, kwargs, seed, timeout))
         try:
             results = pool.run(fn, args, kwargs, seed=seed, timeout=timeout)
             outputs = pool._outputs()

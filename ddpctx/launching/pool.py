@@ -32,6 +32,7 @@ from ddpctx.launching.failures import (
     summary,
     worker_frames,
 )
+from ddpctx.launching.poolstore import loopback_listener
 from ddpctx.launching.preflight import check_before_forking
 from ddpctx.launching.worker import STOP_SIGNALS, Outcome, Task, read_from, worker_main
 from ddpctx.utils.env import check_timeout
@@ -86,7 +87,7 @@ class RankPool:
         #: Where the current task's output starts in each rank's ``(stdout, stderr)`` file.
         self._task_offsets = [(0, 0)] * world_size
         if first is not None:  # handed to the workers at fork time, as task 1
-            first.store = self._store(1)
+            first.number = 1
         context = multiprocessing.get_context("fork")
         self._conns: list[multiprocessing.connection.Connection] = []
         self._processes: list[Any] = []
@@ -94,13 +95,14 @@ class RankPool:
         sys.stderr.flush()
         # Non-daemonic workers would be joined at interpreter exit; close them first.
         atexit.register(self.close)
+        listener = loopback_listener()  # rank 0 serves the pool's store on it (see poolstore)
         try:
             with _stop_signals_held():
                 for rank in range(world_size):
                     parent_end, child_end = context.Pipe()
                     process = context.Process(
                         target=worker_main,
-                        args=(rank, world_size, child_end, self._directory, first),
+                        args=(rank, world_size, child_end, self._directory, first, listener),
                         name=f"ddpctx-rank{rank}",
                         daemon=False,  # ranks may start DataLoader workers of their own
                     )
@@ -111,15 +113,14 @@ class RankPool:
         except BaseException:
             self.close()
             raise
+        finally:
+            listener.close()  # the ranks hold their own copies
 
     def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _store(self, task: int) -> str:
-        return str(self._directory / f"store{task}")
 
     def pids(self) -> list[int]:
         """Process ids of the workers (for tests that check nothing is left behind)."""
@@ -162,7 +163,7 @@ class RankPool:
                 dict(kwargs or {}),
                 seed,
                 timeout,
-                self._store(self._tasks),
+                number=self._tasks,
                 environ=dict(os.environ),
                 cwd=os.getcwd(),
                 init=init,

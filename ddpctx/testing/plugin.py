@@ -14,7 +14,8 @@ traceback, with a note naming the rank, the other ranks' follow-on errors,
 and each rank's captured output as report sections. A hang past the timeout
 fails that test alone, with every rank's Python stack. ``pytest.skip`` inside
 a rank skips the test. Under pytest-xdist each xdist worker has its own pools;
-rendezvous goes through files, so there are no ports to clash.
+each pool's store listens on a free loopback port the OS picks, so no two
+clash.
 
 Every test runs in the pytest process's world at the moment the body would
 run: its environment (fixtures' ``monkeypatch.setenv`` included) and working
@@ -86,7 +87,7 @@ class _Pools:
 
         if isolated or not _picklable((fn, args, kwargs)):
             # Fresh ranks, forked with the function and its arguments in memory.
-            first = Task(fn, args, kwargs, None, timeout, "", init=init)
+            first = Task(fn, args, kwargs, None, timeout, init=init)
             with RankPool(world_size, first=first) as pool:
                 results = pool.run(fn, args, kwargs, timeout=timeout, init=init, echo=echo)
                 return results, pool.last_outputs
