@@ -179,6 +179,27 @@ def test_a_warm_pools_store_is_served_by_rank_zero_on_loopback_only() -> None:
     assert all(a.startswith(("127.", "::1")) for per_rank in addresses for a in per_rank)
 
 
+def reduce_on_rank_zero_only() -> None:
+    if ddpctx.current().rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 returns instead
+
+
+def test_a_collective_on_one_rank_only_names_the_rank_that_had_finished() -> None:
+    with pytest.raises(RankError) as raised:
+        launch(reduce_on_rank_zero_only, world_size=2)
+    assert raised.value.rank == 0
+    assert raised.value.hint.startswith(
+        "rank 1 had already finished while rank 0 was waiting in a collective"
+    ), raised.value.hint
+    assert raised.value.hint in str(raised.value)
+
+
+def test_a_rank_that_fails_on_its_own_gets_no_hint_about_finished_peers() -> None:
+    with pytest.raises(RankError) as raised:
+        launch(fail_on_rank_one, world_size=3)
+    assert raised.value.hint == "", raised.value.hint
+
+
 def hang_on_rank_zero() -> None:
     if ddpctx.current().rank == 0:
         time.sleep(60)

@@ -159,6 +159,14 @@ CASES: dict[str, str] = {
                 raise KeyError("shard 7")
             dist.barrier()  # rank 0's barrier breaks when rank 1 leaves: a follow-on error
         """,
+    "test_one_rank_only": """
+        import pytest, torch, torch.distributed as dist
+
+        @pytest.mark.distributed(world_size=2)
+        def test_reduces_on_rank_0_only(dist_ctx):
+            if dist_ctx.rank == 0:
+                dist.all_reduce(torch.ones(1))  # rank 1 finishes the test instead
+        """,
     "test_hang": """
         import time, pytest, torch.distributed as dist
 
@@ -499,6 +507,14 @@ def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_err
     assert "Traceback (most recent call last)" in body[0], failure  # the rank's own traceback
     assert failure.index("KeyError: 'shard 7'") < failure.index("as a consequence: rank 0")
     assert ".cc:" not in failure  # gloo's C++ source path is not what the reader needs
+
+
+@shared_case
+def test_a_collective_on_one_rank_only_is_named_not_blamed_on_a_crash(shared: Session) -> None:
+    shared.assert_outcomes("test_one_rank_only", failed=1)
+    failure = " ".join(shared.section("test_reduces_on_rank_0_only").split())
+    assert "rank 1 had already finished while rank 0 was waiting in a collective" in failure
+    assert "ctx.any(flag)" in failure
 
 
 @shared_case

@@ -27,6 +27,9 @@ class RankError(RuntimeError):
         outputs: each rank's captured ``(stdout, stderr)`` of this task, in rank
             order: also what ranks still running when another failed had printed.
         secondary: ``(rank, text)`` of the errors other ranks raised afterwards.
+        hint: what the ranks' outcomes together say about the cause, when
+            the error alone does not (e.g. a rank that lost its peer because the
+            peer had returned), else "".
 
     Example:
         >>> from ddpctx import current, launch
@@ -53,6 +56,7 @@ class RankError(RuntimeError):
         remote_traceback: str = "",
         outputs: list[tuple[str, str]] | None = None,
         secondary: list[tuple[int, str]] | None = None,
+        hint: str = "",
     ) -> None:
         super().__init__(message)
         self.rank = rank
@@ -60,6 +64,7 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.outputs = outputs or []
         self.secondary = secondary or []
+        self.hint = hint
 
 
 class RankSkipped(RankError):

@@ -36,6 +36,7 @@ from ddpctx.launching.poolstore import loopback_listener
 from ddpctx.launching.preflight import check_before_forking
 from ddpctx.launching.worker import STOP_SIGNALS, Outcome, Task, read_from, worker_main
 from ddpctx.utils.env import check_timeout
+from ddpctx.utils.errors import is_follow_on
 
 #: Seconds the other ranks get, after the first failure, to report their own errors.
 FOLLOW_ON_GRACE_S = 1.0
@@ -275,6 +276,19 @@ class RankPool:
         if first.kind == "skip":
             return RankSkipped(first.error_text, rank=first.rank, outputs=outputs)
         message = f"rank {first.rank} failed: {first.error_text}"
+        finished = sorted(o.rank for o in outcomes.values() if o.kind == "ok")
+        hint = ""
+        if finished and is_follow_on(first.error_text):
+            who = f"rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))}"
+            # No rank failed on its own: one left while another still waited for it.
+            hint = (
+                f"{who} had already finished while rank "
+                f"{first.rank} was waiting in a collective, which lost its peer: a "
+                "collective issued on some ranks only. Every rank must issue the same "
+                "collectives in the same order; decide data-dependent branches together "
+                "with ctx.any(flag) / ctx.all(flag)."
+            )
+            message += f"\n({hint})"
         if secondary:
             message += (
                 "\n(then, as a consequence: "
@@ -288,6 +302,7 @@ class RankPool:
             remote_traceback=first.remote_traceback,
             outputs=outputs,
             secondary=secondary,
+            hint=hint,
         )
 
     def _timeout_error(self, timeout: float | None, outcomes: dict[int, Outcome]) -> RankError:

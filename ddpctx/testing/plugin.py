@@ -384,6 +384,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         where += "; then, as a consequence: " + "; ".join(
             f"rank {r}: {summary(t)}" for r, t in error.secondary
         )
+    if error.hint:
+        where += f". {error.hint}"
     if hasattr(original, "add_note"):
         original.add_note(f"({where})")
     raise original from RemoteTraceback(f"{error.remote_traceback.rstrip()}\n\n({where})")
