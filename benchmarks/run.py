@@ -399,8 +399,8 @@ def script(name: str, *args: object, timeout: float = 600) -> str:
     ).stdout.strip()
 
 
-def harness(tests: int, spawned: int, pairs: int) -> str:
-    return script("bench_harness.py", "--tests", tests, "--spawned", spawned, "--pairs", pairs)
+def harness(tests: int, spawned: int) -> str:
+    return script("bench_harness.py", "--tests", tests, "--spawned", spawned)
 
 
 def cell(values: list[float], floor: list[float]) -> str:
@@ -519,7 +519,7 @@ def main() -> None:
         startup_section(say, quick, args.world_size)
     if want("harness"):
         say("\n## 5. Test harness\n")
-        say("```\n" + harness(30 if quick else 100, 3 if quick else 8, 1 if quick else 3) + "\n```")
+        say("```\n" + harness(30 if quick else 100, 3 if quick else 8) + "\n```")
         say(
             "torch's MultiProcessTestCase needs `expecttest` and torch's internal test "
             "package, which the CPU wheel here does not ship: not measured."

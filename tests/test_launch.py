@@ -153,6 +153,22 @@ def listening_and_store_port() -> tuple[list[str], int]:
     return listening_addresses(os.getpid()), store.port
 
 
+def keys_in_the_pools_store() -> int:
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return len(store.list_keys())
+
+
+def test_a_warm_pools_store_does_not_keep_the_keys_of_every_task_it_ran() -> None:
+    from ddpctx.launching.pool import RankPool
+
+    with RankPool(2) as pool:
+        counts = [pool.run(keys_in_the_pools_store)[0] for _ in range(30)]
+    # Each trivial task writes about ten keys; those of finished tasks are deleted.
+    assert max(counts[10:]) <= max(counts[:10]), counts
+
+
 def test_each_task_of_a_warm_pool_sees_a_store_of_its_own() -> None:
     from ddpctx.launching.pool import RankPool
 
@@ -162,6 +178,23 @@ def test_each_task_of_a_warm_pool_sees_a_store_of_its_own() -> None:
         assert pool.run(note_in_the_store, ("ddpctx-test/left-over",)) == [False, False]
         ports = [pool.run(agreed_port, init=False) for _ in range(2)]
     assert all(len(set(pair)) == 1 for pair in ports), ports  # the ranks agree within a task
+
+
+def listening_inside_own_block() -> list[str]:
+    with ddpctx.distributed():
+        dist.barrier()  # every rank connected: rank 0's store and gloo are listening
+        addresses = listening_addresses(os.getpid())
+        dist.barrier()
+    return addresses
+
+
+def test_a_task_that_enters_distributed_itself_listens_on_loopback_only() -> None:
+    from ddpctx.launching.pool import RankPool
+
+    with RankPool(2) as pool:
+        addresses = pool.run(listening_inside_own_block, init=False)
+    assert addresses[0], "rank 0 is expected to serve the store and listen for gloo"
+    assert all(a.startswith(("127.", "::1")) for per_rank in addresses for a in per_rank), addresses
 
 
 def test_a_warm_pools_store_is_served_by_rank_zero_on_loopback_only() -> None:

@@ -104,6 +104,24 @@ def root_cause(outcomes: dict[int, Outcome]) -> Outcome | None:
     )
 
 
+def lost_peer_hint(first: Outcome, outcomes: dict[int, Outcome]) -> str:
+    """What to say when ``first`` only lost its peer and some ranks had returned normally.
+
+    No rank failed on its own: one left while another still waited for it in
+    a collective, which gloo reports as a remote worker crashing. "" otherwise.
+    """
+    finished = sorted(o.rank for o in outcomes.values() if o.kind == "ok")
+    if not finished or not is_follow_on(first.error_text):
+        return ""
+    who = f"rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))}"
+    return (
+        f"{who} had already finished while rank {first.rank} was waiting in a collective, "
+        "which lost its peer: a collective issued on some ranks only. Every rank must issue "
+        "the same collectives in the same order; decide data-dependent branches together "
+        "with ctx.any(flag) / ctx.all(flag)."
+    )
+
+
 def worker_frames(dump: str) -> str:
     r"""A faulthandler dump as the user reads it: their thread first, ddpctx's own threads last.
 

@@ -24,10 +24,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpctx.launching.echo import ECHO_INTERVAL_S, Echo
 from ddpctx.launching.failures import (
     RankError,
     RankSkipped,
     RankTimeoutError,
+    lost_peer_hint,
     root_cause,
     summary,
     worker_frames,
@@ -36,7 +38,6 @@ from ddpctx.launching.poolstore import loopback_listener
 from ddpctx.launching.preflight import check_before_forking
 from ddpctx.launching.worker import STOP_SIGNALS, Outcome, Task, read_from, worker_main
 from ddpctx.utils.env import check_timeout
-from ddpctx.utils.errors import is_follow_on
 
 #: Seconds the other ranks get, after the first failure, to report their own errors.
 FOLLOW_ON_GRACE_S = 1.0
@@ -276,18 +277,8 @@ class RankPool:
         if first.kind == "skip":
             return RankSkipped(first.error_text, rank=first.rank, outputs=outputs)
         message = f"rank {first.rank} failed: {first.error_text}"
-        finished = sorted(o.rank for o in outcomes.values() if o.kind == "ok")
-        hint = ""
-        if finished and is_follow_on(first.error_text):
-            who = f"rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))}"
-            # No rank failed on its own: one left while another still waited for it.
-            hint = (
-                f"{who} had already finished while rank "
-                f"{first.rank} was waiting in a collective, which lost its peer: a "
-                "collective issued on some ranks only. Every rank must issue the same "
-                "collectives in the same order; decide data-dependent branches together "
-                "with ctx.any(flag) / ctx.all(flag)."
-            )
+        hint = lost_peer_hint(first, outcomes)
+        if hint:
             message += f"\n({hint})"
         if secondary:
             message += (
@@ -364,40 +355,6 @@ class RankPool:
                     shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(self._directory, ignore_errors=True)
         atexit.unregister(self.close)
-
-
-#: Seconds between two looks at the ranks' output files when it is streamed.
-ECHO_INTERVAL_S = 0.1
-
-
-class Echo:
-    """Streams the ranks' output files to this process's stdout/stderr, line by line."""
-
-    def __init__(self, directory: Path, starts: list[tuple[int, int]]) -> None:
-        """``starts``: per rank, where its task's output begins in ``(out, err)``."""
-        self._files = [
-            (rank, directory / f"rank{rank}.{name}", stream)
-            for rank in range(len(starts))
-            for name, stream in (("out", "stdout"), ("err", "stderr"))
-        ]
-        self._offsets = {
-            directory / f"rank{rank}.{name}": start
-            for rank, pair in enumerate(starts)
-            for name, start in zip(("out", "err"), pair, strict=True)
-        }
-
-    def pump(self, final: bool = False) -> None:
-        for rank, path, stream in self._files:
-            with contextlib.suppress(OSError):
-                with open(path, "rb") as handle:
-                    handle.seek(self._offsets[path])
-                    data = handle.read()
-                if not final:
-                    data = data[: data.rfind(b"\n") + 1]  # whole lines only, until the end
-                self._offsets[path] += len(data)
-                target = getattr(sys, stream)
-                for line in data.decode(errors="replace").splitlines():
-                    print(f"[rank {rank}] {line}", file=target, flush=True)
 
 
 def own_multiprocessing_dir() -> Path | None:

@@ -6,7 +6,12 @@ pytest plugin runs. A ``FileStore`` polls its file: forming a 2-rank gloo
 group over one took about 11.5 ms here, against 2.0 ms over a ``TCPStore``.
 The pool therefore keeps one ``TCPStore`` for its whole life, served by rank
 0, and each task works under a prefix of its own (``task<n>/``), so no key of
-one task is ever seen by the next.
+one task is ever seen by the next. Rank 0 deletes a task's keys once every
+rank is done with it -- when it has finished the task after it, which the
+parent sends only once every rank has finished the one before -- so a long
+session holds the keys of about two tasks, not of every test it ran
+(``num_keys()`` counts the whole store's keys, as torch's ``PrefixStore``
+does under any launcher).
 
 Off the network: the parent binds the listening socket to ``127.0.0.1``
 before it forks (a ``TCPStore`` left to bind for itself listens on every
@@ -25,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from datetime import timedelta
 from typing import Any
@@ -58,6 +64,7 @@ class PoolStore:
             listener.close()
             self._listener = None
         self._store: Any = None
+        self._previous: int | None = None  # the task before the one that ran last
 
     def for_task(self, number: int, timeout: timedelta) -> Any:
         """The store for task ``number``: the shared store under the prefix ``task<number>/``."""
@@ -80,4 +87,21 @@ class PoolStore:
                     "127.0.0.1", self._port, self._world_size, False, timeout
                 )
         self._store.set_timeout(timeout)
-        return dist.PrefixStore(f"task{number}/", self._store)  # type: ignore[attr-defined]
+        return dist.PrefixStore(f"task{number}", self._store)  # type: ignore[attr-defined]
+
+    def finished(self, number: int) -> None:
+        """Task ``number`` ended on this rank: rank 0 deletes the keys of the task before it.
+
+        Every rank is done with that one (the parent sent task ``number`` only
+        once they were); this rank has just sent its outcome, so the deletion
+        overlaps what the parent does before the next task. A torch without
+        ``list_keys`` keeps the keys, as a ``FileStore`` per task did its files.
+        """
+        previous, self._previous = self._previous, number
+        if self._rank != 0 or self._store is None or previous is None:
+            return
+        prefix = f"task{previous}/"
+        with contextlib.suppress(RuntimeError, AttributeError, ValueError):
+            for key in self._store.list_keys():
+                if key.startswith(prefix):
+                    self._store.delete_key(key)

@@ -142,6 +142,7 @@ def worker_main(
             conn.send(outcome)
         except Exception as error:  # the value or the exception would not pickle
             conn.send(_unpicklable(outcome, error))
+        stores.finished(task.number)
         task = None
 
 

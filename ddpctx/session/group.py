@@ -1,10 +1,12 @@
 """Forming and tearing down the process group, and the exits around it.
 
 - :func:`init_group`: one process -> an in-memory store (no rendezvous at
-  all); torchrun -> ``env://`` (torchrun's own store); SLURM / Open MPI ->
-  ``tcp://`` to rank 0. Each formation gets its own key prefix in the store
-  (:func:`formation_store`), and gloo is pinned to loopback for groups that
-  never leave this machine (:func:`loopback_gloo`).
+  all); torchrun -> ``env://`` (torchrun's own store); SLURM / Open MPI and
+  the rendezvous variables ``launch()`` hands a task with ``init=False`` ->
+  a store rank 0 serves on the address ``MASTER_ADDR`` names only. Each
+  formation gets its own key prefix in the store (:func:`formation_store`),
+  and gloo is pinned to loopback for groups that never leave this machine
+  (:func:`loopback_gloo`).
 - :func:`destroy_group_bounded`: teardown that cannot hang the exit path.
 - :func:`record_for_torchrun`: the failing rank's exception, written where
   torchrun looks for it (torch's ``@record`` format).
@@ -90,12 +92,12 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
         return
     check_resolvable(info.master_addr)
     with naming_a_busy_port(info):
-        if info.launcher in ("torchrun", "launch"):
+        if info.launcher == "torchrun":
             # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
             store, _, _ = next(
                 rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=timeout)
             )
-        else:
+        else:  # SLURM, Open MPI, a task of launch()/the plugin forming its own group
             store = host_store(info, timeout)
     store.set_timeout(timeout)
     local_only = info.launcher != "torchrun" and _is_loopback(info.master_addr or "")
@@ -151,7 +153,7 @@ def naming_a_busy_port(info: LaunchInfo) -> Iterator[None]:
 
 
 def host_store(info: LaunchInfo, timeout: timedelta) -> Any:
-    """The rendezvous store for SLURM / Open MPI: rank 0 serves it, the others connect.
+    """The store for SLURM, Open MPI and ``launch()``'s own: rank 0 serves it, the others connect.
 
     torch's TCPStore server listens on every interface whatever host it is
     given. Rank 0 therefore binds the listening socket itself, to the address
