@@ -198,6 +198,9 @@ def test_private_generators_are_named_with_their_path_and_the_fix() -> None:
     assert len(messages) == 2
     assert messages[0].startswith("ctx.dataloader: dataset.datasets[1].dataset.py_rng is a ")
     assert "random.randint(...) instead of self.rng.randint(...)" in messages[0]
+    # Saving it through rank_state= is named too (the attack saw the warning claim it
+    # could not be saved while rank_state= restored it exactly).
+    assert "rank_state={'rng': dataset.datasets[1].dataset.py_rng}" in messages[0]
     assert "dataset.datasets[1].dataset.settings['noise'] is a private numpy" in messages[1]
 
 

@@ -147,14 +147,16 @@ def warn_private_generators(dataset: object, collate_fn: object) -> None:
     for path, kind in found:
         fix = next(example for _, label, example in _GENERATORS if label == kind)
         warnings.warn(
-            f"ctx.dataloader: {path} is a private {kind}. ddpctx can neither save it in "
-            "checkpoints nor seed it per worker, so a resumed epoch redraws the numbers it "
-            "already drew (the run does not continue exactly), and with num_workers > 0 every "
-            "worker starts from a copy of it and draws the same numbers. Fix: draw from the "
-            f"global generator instead, e.g. {fix}; ddpctx seeds those per rank, worker and "
-            "batch and saves them in every checkpoint. Then delete the unused generator (this "
-            "warning looks for it, not for its use). If it is meant to stay fixed, silence "
-            "this with warnings.filterwarnings('ignore', "
+            f"ctx.dataloader: {path} is a private {kind}. ddpctx cannot seed it per worker, "
+            "so with num_workers > 0 every worker starts from a copy of it and draws the same "
+            "numbers, and it is in no checkpoint unless you pass it to save_checkpoint and "
+            f"load_checkpoint as rank_state={{'rng': {path}}}; otherwise a resumed epoch "
+            "redraws the numbers it already drew (the run does not continue exactly). Fix: "
+            f"draw from the global generator instead, e.g. {fix}; ddpctx seeds those per rank, "
+            "worker and batch and saves them in every checkpoint. Then delete the unused "
+            "generator (this warning looks for it, not for its use). If it is meant to stay "
+            "fixed, or you save it through rank_state= with num_workers=0, silence this with "
+            "warnings.filterwarnings('ignore', "
             "category=ddpctx.data.generators.PrivateGeneratorWarning).",
             PrivateGeneratorWarning,
             stacklevel=4,

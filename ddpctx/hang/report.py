@@ -246,8 +246,9 @@ def _silent_diagnosis(silent: list[int], answered: list[RankState], world_size: 
 def _stalled_diagnosis(stalled: list[RankState], answered: list[RankState], size: int) -> str:
     """Ranks waited for ``stalled`` ranks, which answered only once they could run again."""
     ranks = [s.rank for s in stalled]
+    longest = _seconds(max(s.stalled for s in stalled))
     return (
-        f"diagnosis: {ranks_text(ranks)} could not run for {max(s.stalled for s in stalled):.0f} s "
+        f"diagnosis: {ranks_text(ranks)} could not run for {longest} s "
         f"while {_waiting_for(ranks, answered, size)}: it held the GIL in native "
         "code, was stopped (SIGSTOP, a debugger) or got no CPU, and answered once it ran again."
     )
@@ -303,7 +304,7 @@ def format_report(
         )
         if state.stalled:  # it has just come back: where it is now is not where it was
             tail = f"({state.waited:.0f} s) " if state.op else ""
-            tail += f"after {state.stalled:.0f} s in which it could not run"
+            tail += f"after {_seconds(state.stalled)} s in which it could not run"
         lines.append(f"  rank {rank}: {what:<30} at {state.site:<30} {tail}".rstrip())
     diagnosis = diagnose(answered, len(states)) if answered else "diagnosis: no rank answered."
     silent_awaited = [rank for rank in silent if rank in awaited]
@@ -325,3 +326,8 @@ def format_report(
         lines.append(f"--- rank {state.rank} ---")
         lines.append(state.stack)
     return "\n".join(lines)
+
+
+def _seconds(stalled: float) -> int:
+    """A stall in whole seconds, rounded down: it lasted at most a tick less than measured."""
+    return int(stalled)

@@ -114,9 +114,12 @@ class Watchdog:
         self.exchange.beat()
         now = time.monotonic()
         # A tick due a second ago that comes seconds late: the GIL was held in native
-        # code, the process was stopped or got no CPU; an answer now says so.
-        late, self._ticked = now - self._ticked - TICK_S, now
-        stalled = late if late >= STALL_S else 0.0
+        # code, the process was stopped or got no CPU; an answer now says so. The stall
+        # is the whole time since this thread last ran: it began after that tick, so the
+        # gap is never shorter than the stall and longer by less than a tick (a 6 s stall
+        # is a gap of 6 to 7 s, reported as "6 s"; the lateness alone said "5 s").
+        gap, self._ticked = now - self._ticked, now
+        stalled = gap if gap - TICK_S >= STALL_S else 0.0
         op, waited = self.tracker.waited(now)
         newest = self.exchange.newest()
         if newest > self._seen:
