@@ -2,9 +2,9 @@
 
 Side channel: the store the process group was formed on -- torchrun's
 ``TCPStore`` (a client connection that already exists), the loopback
-``TCPStore`` of ``launch()`` and the pytest plugin, the ``HashStore`` of a single process.
-No new listening port, and never the process group itself, which is what is
-stuck. Keys live under ``ddpctx/hang/`` of that store:
+``TCPStore`` of ``launch()`` and the pytest plugin, the ``HashStore`` of a
+single process. No new listening port, and never the process group itself,
+which is what is stuck. Keys live under ``ddpctx/hang/`` of that store:
 
 - ``open``: the number of the newest incident. A rank whose wait passed
   ``hang_timeout`` opens the next one with an atomic compare-and-set, so ranks
