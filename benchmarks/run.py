@@ -40,6 +40,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,6 +153,8 @@ def reduction_rank(sizes: list[str], rounds: int, calls: int, anchors: bool) -> 
 
 
 PARTS = ("batch", "model", "metric")
+#: The key of :func:`training_rank`'s result that holds the watchdog thread's times.
+WATCHDOG = "watchdog thread"
 
 
 def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
@@ -169,22 +172,31 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
     backward, optimizer step) and ``"metric"`` (the loss reduction; for
     async, issuing it and reading the previous step's result). The parts are
     short, so their medians hold still where the whole step's moves by +-5%
-    from run to run on 2 cores. A row's hang doctor is on for its blocks
-    only. ``"hand-written loop, again"`` is the first row once more: its
-    ratio to the first is what this machine's
-    noise alone gives a whole-step ratio in the same run.
+    from run to run on 2 cores. The hang doctor's watchdog thread is started
+    once, for the whole run, as ``distributed()`` starts it once per job: every
+    row runs beside it. Its wrappers of the collectives, of the backward and
+    of DDP's forward are installed for the doctor row's blocks only, and
+    debug mode's (with their lockstep check) for the debug row's. The thread's
+    own CPU time over the run comes back under :data:`WATCHDOG` (``"cpu"`` and
+    ``"wall"``, seconds): the doctor's cost is its wrappers' ratio plus that.
+    ``"hand-written loop, again"`` is the first row once more: its ratio to
+    the first is what this machine's noise alone gives a ratio in the same run.
     """
 
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed import distributed_c10d
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from ddpctx import all_reduced, current
+    from ddpctx.hang.inflight import Tracker, install
+    from ddpctx.hang.lockstep import Lockstep
     from ddpctx.hang.settings import HangSettings
-    from ddpctx.hang.watchdog import Doctor
+    from ddpctx.hang.watchdog import Watchdog
 
     ctx = current()
     assert ctx is not None
+    clock, cpu_clock = time.perf_counter, time.thread_time
     data = TensorDataset(torch.randn(8192, 32), torch.randn(8192, 1))
 
     def net() -> nn.Module:
@@ -232,15 +244,36 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
         if len(pending) > 1:  # log the previous step's loss, one step later
             pending.pop(0).result()
 
-    # The ranks run with DDPCTX_HANG_TIMEOUT=0; the doctor is started around its rows only.
-    rows: dict[str, tuple[Callable[[torch.Tensor], object], HangSettings | None]] = {
-        "hand-written loop": (hand_metric, None),
-        "hand-written loop, again": (hand_metric, None),
-        "hand-written loop, async_op": (hand_async_metric, None),
-        "ddpctx loop": (step_loss, None),
-        "ddpctx loop, async_op": (async_metric, None),
-        "ddpctx loop, hang doctor on": (step_loss, HangSettings(60.0, "report", False)),
-        "ddpctx loop, debug=True": (step_loss, HangSettings(0.0, "report", True)),
+    # The ranks run with DDPCTX_HANG_TIMEOUT=0: one watchdog for the run, started here,
+    # and the doctor's wrappers (debug mode's: with the lockstep check) around their rows.
+    tracker = Tracker()
+    threads = set(threading.enumerate())
+    watchdog = Watchdog(
+        HangSettings(60.0, "report", False),
+        tracker,
+        distributed_c10d._get_default_store(),
+        ctx.rank,
+        ctx.world_size,
+    ).start()
+    (thread,) = set(threading.enumerate()) - threads
+    assert thread.ident is not None
+    thread_clock = time.pthread_getcpuclockid(thread.ident)
+    watched_from, watched_cpu = clock(), time.clock_gettime(thread_clock)
+    cuda = ctx.device.type == "cuda"
+    rows: dict[str, tuple[Callable[[torch.Tensor], object], Callable[[], Callable[[], None]]]] = {
+        "hand-written loop": (hand_metric, lambda: lambda: None),
+        "hand-written loop, again": (hand_metric, lambda: lambda: None),
+        "hand-written loop, async_op": (hand_async_metric, lambda: lambda: None),
+        "ddpctx loop": (step_loss, lambda: lambda: None),
+        "ddpctx loop, async_op": (async_metric, lambda: lambda: None),
+        "ddpctx loop, hang doctor on": (
+            step_loss,
+            lambda: install(tracker, check=None, cuda=cuda),
+        ),
+        "ddpctx loop, debug=True": (
+            step_loss,
+            lambda: install(Tracker(), check=Lockstep(), cuda=cuda),
+        ),
     }
     loaders: dict[str, Any] = {name: ctx.dataloader(data, 64, shuffle=True) for name in rows}
     hand_samplers: dict[str, DistributedSampler[Any]] = {
@@ -255,7 +288,6 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
         name: {part: [] for part in ("step", "cpu", *PARTS)} for name in rows
     }
     names = list(rows)
-    clock, cpu_clock = time.perf_counter, time.thread_time
     for round_index in range(rounds + 2):  # two rounds of warm-up
         if left == 0:
             epoch += 1
@@ -268,10 +300,8 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
         order = names[:]
         random.Random(round_index).shuffle(order)  # seeded: the same order on every rank
         for name in order:
-            metric, settings = rows[name]
-            doctor = None
-            if settings is not None:
-                doctor = Doctor(settings, ctx.rank, ctx.world_size, ctx.device.type == "cuda")
+            metric, wrap = rows[name]
+            unwrap = wrap()
             parts: list[tuple[float, float, float]] = []
             ctx.barrier()
             started, cpu_started = clock(), cpu_clock()
@@ -287,13 +317,16 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
                 handle[0].wait() if isinstance(handle, tuple) else handle.result()
             pending.clear()
             elapsed, cpu_elapsed = clock() - started, cpu_clock() - cpu_started
-            if doctor is not None:
-                doctor.stop()
+            unwrap()
             if round_index >= 2:
                 times[name]["step"].append(elapsed / block)
                 times[name]["cpu"].append(cpu_elapsed / block)
                 for part, values in zip(PARTS, zip(*parts, strict=True), strict=True):
                     times[name][part] += values
+    cpu = time.clock_gettime(thread_clock) - watched_cpu
+    wall = clock() - watched_from
+    watchdog.stop()
+    times[WATCHDOG] = {"cpu": [cpu], "wall": [wall]}
     return times
 
 
@@ -601,8 +634,8 @@ TRAINING_ROWS: tuple[tuple[str, str, float | None, str], ...] = (
     ("hand-written loop, async_op", "hand-written loop", None, "torch's own, read a step later"),
     ("ddpctx loop", "hand-written loop", 1.03, ""),
     ("ddpctx loop, async_op", "hand-written loop, async_op", 1.01, ""),
-    # started and stopped around each block of steps: an upper bound of the per-job cost
-    ("ddpctx loop, hang doctor on", "ddpctx loop", 1.01, "started per block (per job: below)"),
+    # its wrappers around its blocks; its thread's share (run-long) is added to the ratios
+    ("ddpctx loop, hang doctor on", "ddpctx loop", 1.01, "wrappers + thread (below)"),
     ("ddpctx loop, debug=True", "ddpctx loop", 1.10, ""),
 )
 
@@ -612,12 +645,20 @@ def format_training(
 ) -> list[str]:
     """The section's tables from :func:`training_rank`'s times."""
     lines: list[str] = []
+    watched = training[WATCHDOG]
+    # The thread's CPU as a share of the run's wall time: at most what it takes from a step
+    # (all of it from the main thread, none from idle time: an upper bound), run-long.
+    thread_share = watched["cpu"][0] / watched["wall"][0]
+    rows = {name: times for name, times in training.items() if name != WATCHDOG}
 
     def ratio(name: str, base: str, measure: str) -> tuple[float, float, float]:
         # paired within a round: the two blocks ran next to each other, so the
         # machine's drift over the run cancels, as in section 1
-        pairs = zip(training[name][measure], training[base][measure], strict=True)
-        return median_interval([value / base_value for value, base_value in pairs])
+        pairs = zip(rows[name][measure], rows[base][measure], strict=True)
+        middle, low, high = median_interval([value / base_value for value, base_value in pairs])
+        if name == "ddpctx loop, hang doctor on":
+            return middle + thread_share, low + thread_share, high + thread_share
+        return middle, low, high
 
     lines.append(
         f"{rounds} rounds of {block} steps per row, the rows taking turns block by block in "
@@ -635,7 +676,7 @@ def format_training(
     )
     medians = {
         name: (statistics.median(times["step"]) * 1e3, statistics.median(times["cpu"]) * 1e3)
-        for name, times in training.items()
+        for name, times in rows.items()
     }
     step, cpu = medians["hand-written loop"]
     lines.append(f"| hand-written loop | {step:.3f} ms | {cpu:.3f} ms | | 1.000x | 1.000x | |")
@@ -654,7 +695,13 @@ def format_training(
             f"| {name} | {step:.3f} ms | {cpu:.3f} ms | {reference} | {cells[0]} | {cells[1]} "
             f"| {goal} |"
         )
-    lines.append("\n(debug mode adds a tiny all-gather before each collective)\n")
+    lines.append(
+        f"\nThe hang doctor's row: its wrappers' ratio over the blocks it ran plus its watchdog "
+        f"thread's share, {thread_share:.4%} (the thread, started once as `distributed()` "
+        f"starts it, ran beside every row: {watched['cpu'][0] * 1e3:.1f} ms of CPU in "
+        f"{watched['wall'][0]:.1f} s of this rank's run). Debug mode adds a 2-number "
+        "all-gather before each collective.\n"
+    )
     lines.append(
         "Where a step's time goes: the median of each part over all steps, in µs. *Added* is "
         "what the row's batch and metric parts cost over those of the row it is compared "
@@ -666,14 +713,14 @@ def format_training(
     references = {
         name: reference for name, reference, _, _ in TRAINING_ROWS[:1] + TRAINING_ROWS[2:]
     }
-    for name, parts in training.items():
+    for name, parts in rows.items():
         medians = {part: statistics.median(parts[part]) for part in PARTS}
         cells = " | ".join(f"{medians[part] * 1e6:.1f}" for part in PARTS)
         reference = references.get(name)
         if reference is None:
             lines.append(f"| {name} | {cells} | | |")
             continue
-        base = training[reference]
+        base = rows[reference]
         added = sum(medians[part] - statistics.median(base[part]) for part in ("batch", "metric"))
         share = added / statistics.median(base["step"])
         lines.append(f"| {name} | {cells} | {added * 1e6:+.1f} µs ({share:+.2%}) | {reference} |")

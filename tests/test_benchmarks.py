@@ -10,6 +10,9 @@ import importlib.util
 import sys
 from types import ModuleType
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ddpctx import launch
 from tests.helpers import REPO
 
@@ -34,6 +37,7 @@ def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
     assert any(line.startswith("| ddpctx @all_reduced |") for line in table)
     training = launch(runner.training_rank, 2, 2, world_size=2, timeout=120)[0]
     assert set(training) == {
+        runner.WATCHDOG,
         "hand-written loop",
         "hand-written loop, again",
         "hand-written loop, async_op",
@@ -42,11 +46,13 @@ def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
         "ddpctx loop, hang doctor on",
         "ddpctx loop, debug=True",
     }
+    watched = training.pop(runner.WATCHDOG)
+    assert 0 <= watched["cpu"][0] < watched["wall"][0]  # a thread that mostly sleeps
     for times in training.values():  # 2 rounds of 2 steps: a time per round, parts per step
-        assert len(times["step"]) == 2
+        assert len(times["step"]) == len(times["cpu"]) == 2
         assert all(t > 0 for t in times["step"])
         assert all(len(times[part]) == 4 for part in runner.PARTS)
-    lines = runner.format_training(training, 2, 2)
+    lines = runner.format_training({**training, runner.WATCHDOG: watched}, 2, 2)
     assert any(line.startswith("| ddpctx loop, async_op | ") for line in lines)
     assert any("µs" in line and "| hand-written loop, async_op |" in line for line in lines)
 
@@ -56,3 +62,20 @@ def test_the_per_call_cpu_cost_row_runs() -> None:
     cpu = runner.per_call_cpu(1, 2)
     assert "ddpctx @all_reduced" in cpu
     assert all(len(times) == 1 and times[0] > 0 for times in cpu.values())
+
+
+@settings(deadline=None)  # the module loads in each example; a busy machine is slow at it
+@given(st.lists(st.floats(0.5, 2.0), min_size=1, max_size=60))
+def test_a_ratios_interval_holds_its_median_within_the_samples(ratios: list[float]) -> None:
+    runner = load_runner()
+    middle, low, high = runner.median_interval(ratios, resamples=200)
+    assert min(ratios) <= low <= middle <= high <= max(ratios)
+    assert runner.median_interval(ratios, resamples=200) == (middle, low, high)  # seeded
+
+
+def test_a_target_is_met_only_when_the_whole_interval_is_at_or_under_it() -> None:
+    runner = load_runner()
+    assert runner.verdict(0.98, 1.01, 1.01) == "met"
+    assert runner.verdict(1.011, 1.05, 1.01) == "not met"
+    assert runner.verdict(0.99, 1.02, 1.01) == "unresolved"
+    assert runner.median_interval([1.02] * 50) == (1.02, 1.02, 1.02)
