@@ -202,9 +202,8 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
     def net() -> nn.Module:
         return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 1))
 
-    # One model for every row. ctx.wrap gives torch's own DDP (it adds nothing at
-    # precision "32"), and two model objects differed by up to 10% in their model
-    # part from where their memory happened to lie, a luck fixed for the whole run.
+    # One model for every row, so that rows differ only in their loader and metric call
+    # (ctx.wrap gives torch's own DDP: it adds nothing at precision "32").
     model = ctx.wrap(net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
