@@ -11,7 +11,8 @@ Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
    data, a hand-written loop (DataLoader + DistributedSampler, a raw
    all_reduce) vs ctx.dataloader / @all_reduced per step, synchronous and with
    async_op=True (each step's loss read one step later; torch's own async
-   all_reduce as its reference); the ddpctx loop also with the hang doctor on
+   all_reduce as its reference), and the floor of what @all_reduced promises
+   (a float64 sum, a new tensor back) in torch alone; the ddpctx loop also with the hang doctor on
    (hang_timeout=60) and in debug mode (debug=True). Each step's parts (next
    batch, model, metric) are timed too, and each block's main-thread CPU:
    every ratio comes with a 95% bootstrap interval, and a target is read as
@@ -181,6 +182,10 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
     ``"wall"``, seconds): the doctor's cost is its wrappers' ratio plus that.
     ``"hand-written loop, again"`` is the first row once more: its ratio to
     the first is what this machine's noise alone gives a ratio in the same run.
+    The two ``"floor of @all_reduced"`` rows do in torch alone what
+    ``@all_reduced`` promises for a loss (a float64 sum, so the mean is
+    rounded once, and a new tensor of the loss's dtype back), without its
+    checks or handle: the ddpctx rows' distance from them is the engine's own.
     """
 
     import torch.distributed as dist
@@ -243,6 +248,21 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
         if len(pending) > 1:  # log the previous step's loss, one step later
             pending.pop(0).result()
 
+    # What @all_reduced promises for a loss, in torch alone (no checks, no handle): the
+    # sum in float64, so the mean is rounded once, and a new tensor of the loss's dtype.
+    def floor_metric(loss: torch.Tensor) -> None:
+        summed = torch.full((1,), loss.item(), dtype=torch.float64)
+        dist.all_reduce(summed)
+        torch.scalar_tensor(summed.tolist()[0] / ctx.world_size, dtype=loss.dtype)
+
+    def floor_async_metric(loss: torch.Tensor) -> None:
+        summed = torch.full((1,), loss.item(), dtype=torch.float64)
+        pending.append((dist.all_reduce(summed, async_op=True), summed))
+        if len(pending) > 1:
+            work, previous = pending.pop(0)
+            work.wait()
+            torch.scalar_tensor(previous.tolist()[0] / ctx.world_size, dtype=loss.dtype)
+
     # The ranks run with DDPCTX_HANG_TIMEOUT=0: one watchdog for the run, started here,
     # and the doctor's wrappers (debug mode's: with the lockstep check) around their rows.
     tracker = Tracker()
@@ -263,6 +283,8 @@ def training_rank(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
         "hand-written loop": (hand_metric, lambda: lambda: None),
         "hand-written loop, again": (hand_metric, lambda: lambda: None),
         "hand-written loop, async_op": (hand_async_metric, lambda: lambda: None),
+        "floor of @all_reduced": (floor_metric, lambda: lambda: None),
+        "floor of @all_reduced, async_op": (floor_async_metric, lambda: lambda: None),
         "ddpctx loop": (step_loss, lambda: lambda: None),
         "ddpctx loop, async_op": (async_metric, lambda: lambda: None),
         "ddpctx loop, hang doctor on": (
@@ -631,6 +653,8 @@ def verdict(low: float, high: float, target: float) -> str:
 TRAINING_ROWS: tuple[tuple[str, str, float | None, str], ...] = (
     ("hand-written loop, again", "hand-written loop", None, "the noise of a ratio"),
     ("hand-written loop, async_op", "hand-written loop", None, "torch's own, read a step later"),
+    ("floor of @all_reduced", "hand-written loop", None, "float64 sum, tensor back, in torch"),
+    ("floor of @all_reduced, async_op", "hand-written loop, async_op", None, "the same, async"),
     ("ddpctx loop", "hand-written loop", 1.03, ""),
     ("ddpctx loop, async_op", "hand-written loop, async_op", 1.01, ""),
     # its wrappers around its blocks; its thread's share (run-long) is added to the ratios
@@ -710,7 +734,9 @@ def format_training(
     lines.append("| loop | batch | model | metric | added | to |\n|---|---:|---:|---:|---:|---|")
     # torch's async loop has no reference here: its model part holds the collective's wait
     references = {
-        name: reference for name, reference, _, _ in TRAINING_ROWS[:1] + TRAINING_ROWS[2:]
+        name: reference
+        for name, reference, _, _ in TRAINING_ROWS
+        if name != "hand-written loop, async_op"
     }
     for name, parts in rows.items():
         medians = {part: statistics.median(parts[part]) for part in PARTS}

@@ -41,6 +41,8 @@ def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
         "hand-written loop",
         "hand-written loop, again",
         "hand-written loop, async_op",
+        "floor of @all_reduced",
+        "floor of @all_reduced, async_op",
         "ddpctx loop",
         "ddpctx loop, async_op",
         "ddpctx loop, hang doctor on",
