@@ -17,12 +17,13 @@ from ddpctx import launch
 from tests.helpers import REPO
 
 
-def load_runner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_run", REPO / "benchmarks" / "run.py")
+def load_runner(script: str = "run") -> ModuleType:
+    name = f"bench_{script}"
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{script}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_run"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -81,3 +82,10 @@ def test_a_target_is_met_only_when_the_whole_interval_is_at_or_under_it() -> Non
     assert runner.verdict(1.011, 1.05, 1.01) == "not met"
     assert runner.verdict(0.99, 1.02, 1.01) == "unresolved"
     assert runner.median_interval([1.02] * 50) == (1.02, 1.02, 1.02)
+
+
+def test_the_call_breakdown_times_every_piece_on_both_ranks() -> None:
+    pieces = launch(load_runner("bench_call").pieces_us, 1, world_size=2, timeout=120)
+    assert pieces[0].keys() == pieces[1].keys()
+    assert {"@all_reduced call", "fast path pack", "nothing"} <= pieces[0].keys()
+    assert all(microseconds > 0 for rank in pieces for microseconds in rank.values())
