@@ -12,11 +12,11 @@ Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
    all_reduce) vs ctx.dataloader / @all_reduced per step, synchronous and with
    async_op=True (each step's loss read one step later; torch's own async
    all_reduce as its reference), and the floor of what @all_reduced promises
-   (a float64 sum, a new tensor back) in torch alone; the ddpctx loop also with the hang doctor on
-   (hang_timeout=60) and in debug mode (debug=True). Each step's parts (next
-   batch, model, metric) are timed too, and each block's main-thread CPU:
-   every ratio comes with a 95% bootstrap interval, and a target is read as
-   met, not met or unresolved by this run against it.
+   (a float64 sum, a new tensor back) in torch alone; the ddpctx loop also
+   with the hang doctor on (hang_timeout=60) and in debug mode (debug=True).
+   Each step's parts (next batch, model, metric) are timed too, and each
+   block's main-thread CPU: every ratio comes with a 95% bootstrap interval,
+   and a target is read as met, not met or unresolved by this run against it.
    2b: per-call CPU cost in one process, @all_reduced vs torch.stack(...).tolist().
 3. Start-up and teardown: `with distributed()` vs init_process_group +
    destroy_process_group, one process and 2 ranks (under torchrun).
