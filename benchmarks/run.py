@@ -611,7 +611,7 @@ def training_section(say: Callable[[str], None], quick: bool, world: int) -> Non
         del os.environ["DDPCTX_HANG_TIMEOUT"]
     for line in format_training(training, rounds, block):
         say(line)
-    # The row above starts and stops a doctor for every block; users start one per job.
+    # Whole jobs too, the doctor off and on (noisier: jobs differ by more than rounds do).
     pairs, steps = (2, 300) if quick else (10, 1500)
     jobs = script("bench_doctor.py", "--jobs", pairs, "--steps", steps, timeout=1800)
     say(
