@@ -344,6 +344,35 @@ def test_a_watchdog_that_ran_on_time_answers_with_no_stall() -> None:
     assert answer.stalled == 0.0
 
 
+class EntersBarrierOnceAsked(Tracker):
+    """A main thread that enters ``barrier()`` just after the watchdog, asked, first reads it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def waited(self, now: float) -> tuple[str | None, float]:
+        state = super().waited(now)
+        if self.entered == 0 and Exchange(self.store, 1, 2).newest() > 0:
+            self.op, self.since, self.entered = "barrier()", now, 1
+        return state
+
+
+def test_a_rank_entering_a_collective_while_it_answers_is_not_called_outside_collectives() -> None:
+    # Found by the outside attack (2 of 6 runs: a rank back from a 7 s GIL stall, then
+    # dist.barrier()): its line said "not in a collective" above a stack inside barrier().
+    # The watchdog had read the tracker, then made store calls (the main thread ran and
+    # entered barrier()), then took the stack.
+    store = dist.HashStore()
+    tracker = EntersBarrierOnceAsked(store)
+    watchdog = Watchdog(HangSettings(60.0, "report", False), tracker, store, 1, 2).start()
+    try:
+        Exchange(store, 0, 2).open_next(0)
+        answer = rank1_answer(store)
+    finally:
+        watchdog.stop()
+    assert answer.op == "barrier()"
+
+
 def rank1_answer(store: Any) -> RankState:
     """Rank 1's answer to incident 1, once its watchdog gave it."""
     deadline = time.monotonic() + patience(10)

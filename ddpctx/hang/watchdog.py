@@ -123,20 +123,20 @@ class Watchdog:
         op, waited = self.tracker.waited(now)
         newest = self.exchange.newest()
         if newest > self._seen:
-            self._handle(newest, op, waited, stalled)
+            self._handle(newest, stalled)
         elif (
             op is not None
             and waited >= self.settings.hang_timeout
             and self.tracker.entered != self._covered
         ):
-            self._handle(self.exchange.open_next(self._seen), op, waited, stalled)
+            self._handle(self.exchange.open_next(self._seen), stalled)
 
-    def _handle(self, incident: int, op: str | None, waited: float, stalled: float) -> None:
+    def _handle(self, incident: int, stalled: float) -> None:
         self._seen = incident
+        op, waited, state = self._state(stalled)
         if op is not None:
             self._covered = self.tracker.entered
-        peers = self.tracker.peers if self.tracker.op is not None else None
-        self.exchange.answer(incident, snapshot(self.rank, op, waited, peers, stalled))
+        self.exchange.answer(incident, state)
         # Rank 0 reports; when it cannot (GIL held in native code, stopped), the first
         # other rank that finds no report in time does, naming rank 0 as not answering.
         report = self._report(incident) if self.rank == 0 else None
@@ -148,6 +148,25 @@ class Watchdog:
             own = RankState(self.rank, op, waited, "?", "")
             fallback = format_report([own], self.settings.hang_timeout) + " (no rank sent a report)"
             self._raise(report or fallback)
+
+    def _state(self, stalled: float) -> tuple[str | None, float, RankState]:
+        """What the main thread waits in and its stack, read together: ``(op, waited, state)``.
+
+        The main thread runs between two reads of this thread (the store calls
+        before an answer release the GIL), so the tracker is read on both sides
+        of the stack until no collective was entered or left in between: one
+        read made before the stack said "not in a collective" under a stack in
+        ``barrier()`` (a rank back from a stall, entering its next collective).
+        """
+        tracker = self.tracker
+        for _ in range(3):
+            moved = tracker.entered, tracker.completed
+            op, waited = tracker.waited(time.monotonic())
+            peers = tracker.peers if tracker.op is not None else None
+            state = snapshot(self.rank, op, waited, peers, stalled)
+            if (tracker.entered, tracker.completed) == moved:
+                break
+        return op, waited, state
 
     def _report(self, incident: int, wait_s: float = ANSWER_WAIT_S) -> str | None:
         """Collect, print and publish the report, unless another rank already claimed it.
