@@ -624,6 +624,8 @@ def training_section(say: Callable[[str], None], quick: bool, world: int) -> Non
 
 #: Resamples of the rounds behind a ratio's 95% interval.
 RESAMPLES = 1000
+#: The fewest that give a 95% interval: 2.5% of them is one resample.
+MIN_RESAMPLES = 40
 
 
 def median_interval(values: list[float], resamples: int = RESAMPLES) -> tuple[float, float, float]:
@@ -631,13 +633,22 @@ def median_interval(values: list[float], resamples: int = RESAMPLES) -> tuple[fl
 
     The rounds are resampled with replacement ``resamples`` times (seeded: the
     same page from the same times); the interval holds the middle 95% of the
-    resampled medians. It says how far this run's median could move had the
-    machine's noise fallen otherwise, which is what a 1% target is read against.
+    resampled medians, and always the median itself. It says how far this run's
+    median could move had the machine's noise fallen otherwise, which is what a
+    1% target is read against.
     """
+    if not values:
+        raise ValueError("median_interval() got no values; time at least one round")
+    if resamples < MIN_RESAMPLES:
+        raise ValueError(
+            f"resamples={resamples} cannot give a 95% interval: 2.5% of the resampled "
+            f"medians must be at least one; pass resamples >= {MIN_RESAMPLES}"
+        )
+    middle = float(statistics.median(values))
     draw = random.Random(0).choices
     medians = sorted(statistics.median(draw(values, k=len(values))) for _ in range(resamples))
     low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
-    return float(statistics.median(values)), low, high
+    return middle, min(low, middle), max(high, middle)
 
 
 def verdict(low: float, high: float, target: float) -> str:
@@ -680,8 +691,9 @@ def format_training(
         pairs = zip(rows[name][measure], rows[base][measure], strict=True)
         middle, low, high = median_interval([value / base_value for value, base_value in pairs])
         if name == "ddpctx loop, hang doctor on":
-            return middle + thread_share, low + thread_share, high + thread_share
-        return middle, low, high
+            middle, low, high = middle + thread_share, low + thread_share, high + thread_share
+        # as printed: a verdict read from unrounded ends could contradict the page
+        return round(middle, 3), round(low, 3), round(high, 3)
 
     lines.append(
         f"{rounds} rounds of {block} steps per row, the rows taking turns block by block in "

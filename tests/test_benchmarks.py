@@ -10,6 +10,7 @@ import importlib.util
 import sys
 from types import ModuleType
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,37 @@ def test_the_call_breakdown_times_every_piece_on_both_ranks() -> None:
     assert pieces[0].keys() == pieces[1].keys()
     assert {"@all_reduced call", "fast path pack", "nothing"} <= pieces[0].keys()
     assert all(microseconds > 0 for rank in pieces for microseconds in rank.values())
+
+
+def test_a_verdict_follows_from_the_interval_as_printed() -> None:
+    # Found by the outside attack: ratios of 1.0304 printed as "[1.030, 1.030]" read
+    # "not met" against 1.03, and one line read both "not met" and "met" for [1.010, 1.010].
+    runner = load_runner()
+    names = ["hand-written loop"] + [name for name, _, _, _ in runner.TRAINING_ROWS]
+
+    def row(step: float, cpu: float) -> dict[str, list[float]]:
+        parts = {part: [1e-4] * 80 for part in runner.PARTS}
+        return {"step": [step] * 20, "cpu": [cpu] * 20, **parts}
+
+    times = {name: row(4e-3, 2e-3) for name in names}
+    times["ddpctx loop"] = row(4e-3 * 1.0304, 2e-3 * 1.0304)
+    times["ddpctx loop, async_op"] = row(4e-3 * 1.0104, 2e-3 * 1.0096)
+    times[runner.WATCHDOG] = {"cpu": [0.0], "wall": [100.0]}
+    ratio_rows = [line for line in runner.format_training(times, 20, 4) if "x [" in line]
+    (sync,) = (line for line in ratio_rows if line.startswith("| ddpctx loop |"))
+    (async_,) = (line for line in ratio_rows if line.startswith("| ddpctx loop, async_op |"))
+    assert "1.030x [1.030, 1.030] | 1.030x [1.030, 1.030] | <= 1.03x: met; met |" in sync
+    assert "1.010x [1.010, 1.010] | 1.010x [1.010, 1.010] | <= 1.01x: met; met |" in async_
+
+
+@pytest.mark.parametrize(
+    ("values", "resamples", "says"),
+    [([1.0, 2.0], 1, "resamples=1"), ([1.0, 2.0], 0, "resamples=0"), ([], 1000, "no values")],
+)
+def test_an_interval_that_cannot_be_made_is_refused(
+    values: list[float], resamples: int, says: str
+) -> None:
+    # Found by the outside attack: resamples=1 gave an interval without its median,
+    # resamples=0 an IndexError, no values a StatisticsError.
+    with pytest.raises(ValueError, match=says):
+        load_runner().median_interval(values, resamples=resamples)
