@@ -144,6 +144,16 @@ def extras() -> dict[str, list[str]]:
     return {name: [r for r in section[name].splitlines() if r.strip()] for name in section}
 
 
+def test_the_plugin_reference_says_how_a_pools_ranks_meet() -> None:
+    # Found by the outside attack: it said rendezvous went through files, with no ports,
+    # after the pools' ranks had moved to a store on a loopback port.
+    import ddpctx.testing
+
+    doc = ddpctx.testing.__doc__ or ""
+    assert "127.0.0.1" in doc
+    assert "through files" not in doc
+
+
 def test_the_docs_extra_installs_what_docs_requirements_txt_does() -> None:
     lines = (REPO / "docs" / "requirements.txt").read_text().splitlines()
     required = [line for line in lines if line.strip() and not line.startswith("#")]

@@ -738,8 +738,10 @@ def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> No
     def without_seconds(lines: list[str]) -> list[str]:
         return [re.sub(r"\d+ s\b", "N s", line) for line in lines]
 
-    # Headline, a line per rank and the diagnosis: the same, up to the seconds waited.
-    assert without_seconds(produced[:4]) == without_seconds(shown_lines[:4])
+    # The whole report, as the README says ("verbatim"), up to the seconds waited (the
+    # merged-whole attack found its folded-frames line two stops out of date).
+    # (rank 1's line on leaving, printed after the report, is not in the README's copy)
+    assert without_seconds(produced[: len(shown_lines)]) == without_seconds(shown_lines)
     assert "diagnosis: ranks are in different collectives" in produced[3]
     # torchrun's summary names the root cause (its whole output shown if it does not)
     assert "Root Cause (first observed failure)" in result.stderr, result.stderr[-4000:]

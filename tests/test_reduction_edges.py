@@ -59,6 +59,27 @@ def test_a_mean_of_integer_scalar_tensors_is_a_float_at_every_world_size(
     assert weighted["correct"].item() == pytest.approx(sum(correct) / n, rel=1e-6)
 
 
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+@pytest.mark.distributed(world_size=[2, 3], timeout=60)
+def test_a_mean_of_large_int64_tensors_is_the_exact_mean_rounded_once_to_the_default_dtype(
+    dist_ctx: DistContext, default: torch.dtype
+) -> None:
+    # Raised by the outside attack: 2**40 + 1 + rank came back as float32, 1.5 off the exact
+    # mean, while the same value as an array or an int came back exact. As documented
+    # (README: as torch's `tensor / n`), an integer tensor's mean takes torch's default
+    # dtype; what this pins is that it is the exact mean rounded once, never rounded twice.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        n, rank = dist_ctx.world_size, dist_ctx.rank
+        mean = dist_ctx.all_reduce({"count": torch.tensor(2**40 + 1 + rank)})["count"]
+    finally:
+        torch.set_default_dtype(previous)
+    exact = sum(2**40 + 1 + r for r in range(n)) / n  # exact in float64 here
+    assert mean.dtype == default
+    assert mean.item() == torch.tensor(exact, dtype=torch.float64).to(default).item()
+
+
 # 2. Python ints beyond int64 ----------------------------------------------------------------
 
 

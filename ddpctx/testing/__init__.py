@@ -60,8 +60,9 @@ Command-line options: the plugin adds none of its own; pytest's apply.
 - ``-rP``: each rank's output is shown for passing tests too (failing tests
   always show it).
 - ``--timeout N`` (pytest-timeout): bounds the marker's ``timeout``, see above.
-- ``-n N`` (pytest-xdist): each xdist worker keeps its own rank pools;
-  rendezvous goes through files, so there are no ports to clash.
+- ``-n N`` (pytest-xdist): each xdist worker keeps its own rank pools; a
+  pool's ranks meet through a store on a port of 127.0.0.1 that the system
+  picks for it, so pools never clash.
 
 May import: :mod:`ddpctx.utils`, :mod:`ddpctx.session`, :mod:`ddpctx.launching`
 (and nothing at all at import time: pytest loads the plugin in every run,
