@@ -154,9 +154,11 @@ class Watchdog:
 
         The main thread runs between two reads of this thread (the store calls
         before an answer release the GIL), so the tracker is read on both sides
-        of the stack until no collective was entered or left in between: one
-        read made before the stack said "not in a collective" under a stack in
-        ``barrier()`` (a rank back from a stall, entering its next collective).
+        of the stack, up to three times, until no collective was entered or left
+        in between: one read made before the stack said "not in a collective"
+        under a stack in ``barrier()`` (a rank back from a stall, entering its
+        next collective). A main thread that enters and leaves collectives faster
+        than that keeps the last reading, at most a collective off its stack.
         """
         tracker = self.tracker
         for _ in range(3):
