@@ -1,0 +1,19 @@
+"""Watching a run: the metrics trail, per-rank step timings, the straggler report, the profiler.
+
+- :mod:`~ddpctx.watch.loggers`: where ``ctx.log`` writes (``jsonl``, ``csv``,
+  ``tensorboard``, or an object with ``log_metrics``: :class:`Logger`).
+- :mod:`~ddpctx.watch.trail`: steps on every rank, rank 0's writer thread,
+  exactly-once across a kill and a resume.
+- :mod:`~ddpctx.watch.clock`: data / compute / collective time of every step.
+- :mod:`~ddpctx.watch.straggler`: who holds the others back (pure), and the report.
+- :mod:`~ddpctx.watch.watcher`: the thread that publishes timings and prints the report.
+- :mod:`~ddpctx.watch.profiling`: ``ctx.profile``.
+- :mod:`~ddpctx.watch.faces`: ``ctx.log``, ``ctx.log_config``, ``ctx.timings``, ``ctx.profile``.
+
+May import: :mod:`ddpctx.utils`, :mod:`ddpctx.reduce` (``ctx.log`` reduces with
+its engine) and :mod:`ddpctx.hang` (the collective waits come from its tracker).
+"""
+
+from ddpctx.watch.loggers import Logger
+
+__all__ = ["Logger"]

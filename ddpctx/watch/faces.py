@@ -1,0 +1,206 @@
+"""Watching's face on ``DistContext``: ``log``, ``log_config``, ``timings``, ``profile``.
+
+:class:`Watch` is what ``distributed(log_dir=..., loggers=..., timings=...,
+straggler=...)`` sets up for a block: the metrics trail
+(:mod:`ddpctx.watch.trail`), the step clock (:mod:`ddpctx.watch.clock`), the
+straggler watcher (:mod:`ddpctx.watch.watcher`) and armed profiles
+(:mod:`ddpctx.watch.profiling`). :class:`WatchFaces` is mixed into
+``DistContext``; each method is a thin call into those modules.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddpctx.hang.inflight import Tracker
+from ddpctx.reduce.collectives import Site, all_reduce_tree, check_op
+from ddpctx.reduce.objects import all_gather_objects
+from ddpctx.reduce.packing import OpSpec
+from ddpctx.watch.clock import PhaseTimes, StepClock
+from ddpctx.watch.loggers import check_scalars
+from ddpctx.watch.profiling import Profiling, parse_profile_env
+from ddpctx.watch.straggler import StragglerSettings
+from ddpctx.watch.trail import Trail
+from ddpctx.watch.watcher import Watcher
+
+
+class Watch:
+    """One block's watching: trail, clock, straggler watcher, profiles; :meth:`stop` ends them."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        log_dir: Path | None,
+        loggers: list[Any],
+        timings: bool,
+        straggler: StragglerSettings | None,
+        tracker: Tracker | None,
+        *,
+        cuda: bool = False,
+        store: Any = None,
+        profile_env: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.host = socket.gethostname()
+        self.log_dir = log_dir
+        self.trail = Trail(loggers, writer=rank == 0)
+        window = straggler.window if straggler is not None else 50
+        self.clock: StepClock | None = StepClock(tracker, window, cuda=cuda) if timings else None
+        self.watcher: Watcher | None = None
+        self.profiles: list[Profiling] = []
+        if profile_env:
+            steps, ranks = parse_profile_env(profile_env)
+            self.add_profile(Profiling(rank, log_dir, steps, ranks, {}))
+        if (
+            self.clock is not None
+            and straggler is not None
+            and store is not None
+            and world_size > 1
+        ):
+            self.watcher = Watcher(straggler, self.clock, store, rank, world_size, self.host)
+            self.watcher.start()
+
+    def add_profile(self, profiling: Profiling) -> Profiling:
+        if profiling.steps is not None:
+            if self.clock is None:
+                raise ValueError(
+                    f"ctx.profile(steps={profiling.steps!r}) counts the steps of ctx.dataloader, "
+                    "but this block has timings=False. Use distributed(timings=True), or "
+                    "`with ctx.profile():` around the code to profile."
+                )
+            self.clock.listeners.append(profiling.on_step)
+        self.profiles.append(profiling)
+        return profiling
+
+    def stop(self) -> None:
+        """Stop the watcher (its last judgement), finish profiles, flush and close the trail."""
+        try:
+            if self.watcher is not None:
+                self.watcher.stop()
+        finally:
+            try:
+                for profiling in self.profiles:
+                    profiling.stop()
+            finally:
+                self.trail.close()
+
+
+class WatchFaces:
+    """``ctx.log``, ``ctx.log_config``, ``ctx.timings``, ``ctx.profile``."""
+
+    rank: int
+    world_size: int
+    _sites: dict[str, Site]
+    _watch: Watch | None = None
+
+    def log(
+        self,
+        metrics: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        op: OpSpec = "mean",
+        weight: str | None = None,
+        timings: bool = False,
+    ) -> dict[str, Any]:
+        """Reduce ``metrics`` across ranks (one collective) and have rank 0 write them.
+
+        Call it on every rank, as ``ctx.all_reduce`` (the same engine: ``op``
+        and ``weight`` as in :func:`ddpctx.all_reduced`; nested dicts become
+        ``"outer/inner"`` names). ``step`` defaults to one after the last step
+        logged (0 first; after ``load_checkpoint``, the checkpoint's next).
+        ``timings=True`` adds this rank's median step timings
+        (``timings/data_ms``, ...), averaged over ranks. Rank 0's loggers
+        (``distributed(log_dir=..., loggers=...)``) write on a thread of their
+        own; every rank gets the reduced values back.
+
+        >>> from ddpctx import distributed
+        >>> with distributed() as ctx:
+        ...     ctx.log({"loss": 0.5, "count": 4}, weight="count")
+        {'loss': 0.5, 'count': 4}
+        """
+        check_op(op)
+        watch = self._watch
+        trail = watch.trail if watch is not None else None
+        number = trail.next_step(step) if trail is not None else step
+        check_scalars(metrics)
+        if timings:
+            metrics = {**metrics, "timings": self._own_timings().as_metrics()}
+        caller = sys._getframe(1)
+        key = f"log:{caller.f_code.co_filename}:{caller.f_lineno}"
+        site = self._sites.setdefault(key, Site(f"ctx.log at {key[4:]}"))
+        reduced: dict[str, Any] = all_reduce_tree(dict(metrics), op, weight, site=site)
+        if trail is not None and number is not None:
+            trail.record(number, reduced)
+        return reduced
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Record the run's configuration once (rank 0; a resumed run does not record it again).
+
+        ``log_dir/config.json`` for the ``jsonl``/``csv`` loggers, a ``config`` text
+        in TensorBoard, ``log_hparams(config)`` of a logger object that has one.
+
+        >>> from ddpctx import distributed
+        >>> with distributed() as ctx:
+        ...     ctx.log_config({"lr": 0.1})
+        """
+        if self._watch is not None:
+            self._watch.trail.config(dict(config))
+
+    def timings(self) -> dict[int, PhaseTimes]:
+        """Every rank's median step timings over the window, by rank (call it on every rank).
+
+        Data wait, compute and collective wait per step, measured with no code
+        of yours (:mod:`ddpctx.watch.clock`), as
+        :class:`~ddpctx.watch.clock.PhaseTimes` in seconds. One all-gather.
+
+        >>> from ddpctx import distributed
+        >>> with distributed() as ctx:
+        ...     for batch in ctx.dataloader(list(range(8)), batch_size=2):
+        ...         pass
+        ...     ctx.timings()[0].steps
+        4
+        """
+        mine = self._own_timings()
+        everyone = all_gather_objects(mine) if self.world_size > 1 else [mine]
+        return {times.rank: times for times in everyone}
+
+    def profile(
+        self,
+        steps: tuple[int, int] | None = None,
+        ranks: Sequence[int] | None = None,
+        **profiler_kwargs: Any,
+    ) -> Profiling:
+        """``torch.profiler`` traces, one file per rank: ``log_dir/profile/rank<r>.pt.trace.json``.
+
+        ``steps=(first, last)`` profiles those steps of ``ctx.dataloader``'s
+        iterators (counted from 0) with no code in the loop; without ``steps``
+        use it as ``with ctx.profile():``. ``ranks`` limits it to those ranks.
+        ``profiler_kwargs`` go to ``torch.profiler.profile`` (e.g.
+        ``record_shapes=True``). Also ``DDPCTX_PROFILE=10-12@0,1``.
+
+        >>> from ddpctx import distributed
+        >>> import tempfile, torch
+        >>> with distributed(log_dir=tempfile.mkdtemp()) as ctx:
+        ...     with ctx.profile() as profiling:
+        ...         _ = torch.ones(3) * 2
+        >>> profiling.path.name, profiling.done
+        ('rank0.pt.trace.json', True)
+        """
+        watch = self._watch
+        profiling = Profiling(
+            self.rank, watch.log_dir if watch else None, steps, ranks, profiler_kwargs
+        )
+        return watch.add_profile(profiling) if watch is not None else profiling
+
+    def _own_timings(self) -> PhaseTimes:
+        watch = self._watch
+        clock = watch.clock if watch is not None else None
+        host = watch.host if watch is not None else socket.gethostname()
+        if clock is None:
+            return PhaseTimes(self.rank, host, 0, 0.0, 0.0, 0.0, 0.0)
+        return clock.summary(self.rank, host)

@@ -1,0 +1,209 @@
+"""Which rank holds the others back, in which phase, by how much: the straggler report.
+
+Pure: takes every rank's :class:`~ddpctx.watch.clock.PhaseTimes` (medians over
+the same window of steps) and says who, if anyone, is the straggler.
+
+The trap it avoids: DDP all-reduces the gradients inside ``backward()``, so
+every rank's backward ends together and comparing whole phases blames
+nobody, or the wrong rank. Waiting is the tell instead. The straggler is the
+rank whose *own* time (data + compute) is longest **and** which waits least in
+collectives; its victims show the same excess as collective wait. So:
+
+1. ``own`` = data + compute per rank; the candidate is the rank with the
+   longest ``own``.
+2. It is named only when its ``own`` exceeds the median rank's -- the median
+   of the *other* ranks, so that at 2 ranks the size is the difference from
+   the other rank, not half of it, and with several slow ranks the slowest
+   is still named -- by at least ``threshold`` (a fraction of that median's
+   ``own``) and ``min_ms``, and its collective wait is at most the median of
+   every rank's: a rank that is slow and also waits is not what held the
+   others back.
+3. Its phase is the one (data or compute) with the larger excess over the
+   other ranks' median of that phase; the size is that excess, per step.
+
+Medians over a window of steps (50 by default) keep one-off stalls (a
+checkpoint, a 5-step hiccup, the OS scheduling another process) from firing.
+
+Example:
+    >>> from ddpctx.watch.clock import PhaseTimes
+    >>> ranks = [PhaseTimes(r, "node-a", 50, 0.001, 0.020, 0.031 if r != 2 else 0.0)
+    ...          for r in range(3)]
+    >>> ranks[2] = PhaseTimes(2, "node-a", 50, 0.001, 0.051, 0.0)
+    >>> verdict = find_straggler(ranks, StragglerSettings())
+    >>> verdict.rank, verdict.phase, round(verdict.excess_s * 1000)
+    (2, 'compute', 31)
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ddpctx.watch.clock import PhaseTimes
+
+#: The environment variable that turns the report off (``0``) for a job.
+ENV = "DDPCTX_STRAGGLER"
+
+
+@dataclass(frozen=True)
+class StragglerSettings:
+    """The straggler report's options: ``distributed(straggler=StragglerSettings(...))``.
+
+    Attributes:
+        window: steps each rank's medians are taken over (and that must pass
+            before anything is said).
+        threshold: how much longer the straggler's own time (data + compute)
+            must be than the median rank's, as a fraction (0.2: 20% longer).
+        min_ms: and at least this many milliseconds longer per step.
+        every: steps before a report about the same rank is printed again.
+        tick_s: how often each rank publishes its timings (seconds).
+
+    Example:
+        >>> StragglerSettings(window=100, threshold=0.5).window
+        100
+    """
+
+    window: int = 50
+    threshold: float = 0.2
+    min_ms: float = 5.0
+    every: int = 500
+    tick_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, low in (("window", 1), ("every", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"StragglerSettings({name}={value!r}): a whole number of steps, at least "
+                    f"{low}, is needed, e.g. {name}=50."
+                )
+        for name in ("threshold", "min_ms", "tick_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"StragglerSettings({name}={value!r}): a number of at least 0 is needed "
+                    f"(defaults: threshold=0.2, min_ms=5.0, tick_s=1.0)."
+                )
+
+
+def resolve_straggler(value: object, environ: Mapping[str, str]) -> StragglerSettings | None:
+    """``distributed(straggler=...)`` as settings, or None when the report is off.
+
+    ``True`` (default) uses :class:`StragglerSettings`'s defaults; ``False`` or
+    ``DDPCTX_STRAGGLER=0`` turns it off.
+
+    >>> resolve_straggler(True, {"DDPCTX_STRAGGLER": "0"}) is None
+    True
+    >>> resolve_straggler("yes", {})
+    Traceback (most recent call last):
+    ...
+    ValueError: distributed(straggler='yes'): ...
+    """
+    if environ.get(ENV, "").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    if value is True:
+        return StragglerSettings()
+    if value is False or value is None:
+        return None
+    if isinstance(value, StragglerSettings):
+        return value
+    raise ValueError(
+        f"distributed(straggler={value!r}): pass True (the default), False, or "
+        "StragglerSettings(window=..., threshold=..., ...)."
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The straggler: its rank, host, phase, excess in that phase (seconds per step), ratio."""
+
+    rank: int
+    host: str
+    phase: str
+    excess_s: float
+    ratio: float  # its own time over the median rank's
+
+
+def find_straggler(ranks: Sequence[PhaseTimes], settings: StragglerSettings) -> Verdict | None:
+    """The straggler among ``ranks`` (see the module docstring), or None."""
+    if len(ranks) < 2:
+        return None
+    slowest = max(ranks, key=lambda r: r.own)
+    others = [r for r in ranks if r is not slowest]  # the candidate is not its own yardstick
+    own_median = statistics.median(r.own for r in others)
+    wait_median = statistics.median(r.collective for r in ranks)
+    excess = slowest.own - own_median
+    if excess < max(settings.threshold * own_median, settings.min_ms / 1000.0):
+        return None
+    if slowest.collective > wait_median:
+        return None
+    data_excess = slowest.data - statistics.median(r.data for r in others)
+    compute_excess = slowest.compute - statistics.median(r.compute for r in others)
+    phase, size = (
+        ("data", data_excess) if data_excess > compute_excess else ("compute", compute_excess)
+    )
+    ratio = slowest.own / own_median if own_median > 0 else float("inf")
+    return Verdict(slowest.rank, slowest.host, phase, size, ratio)
+
+
+def format_report(verdict: Verdict, ranks: Sequence[PhaseTimes], window: int) -> str:
+    """The report rank 0 prints: the first line names rank, host, phase and size; then the table.
+
+    >>> from ddpctx.watch.clock import PhaseTimes
+    >>> ranks = [PhaseTimes(0, "node-a", 80, 0.0, 0.06, 0.03),
+    ...          PhaseTimes(1, "node-b", 80, 0.03, 0.06, 0.0)]
+    >>> head = format_report(Verdict(1, "node-b", "data", 0.03, 1.5), ranks, 50).splitlines()[0]
+    >>> print(head.replace(" (1.50x", chr(10) + "(1.50x"))
+    ddpctx straggler report: rank 1 (node-b) is slow in data: +30 ms per step
+    (1.50x the median rank) over the last 50 steps
+    """
+    head = (
+        f"ddpctx straggler report: rank {verdict.rank} ({verdict.host}) is slow in "
+        f"{verdict.phase}: +{verdict.excess_s * 1000:.0f} ms per step "
+        f"({verdict.ratio:.2f}x the median rank) over the last {window} steps"
+    )
+    waits = ", ".join(f"rank {r.rank} {r.collective * 1000:.1f} ms" for r in ranks)
+    why = (
+        f"why: rank {verdict.rank} spends the longest in its own work (data + compute) and "
+        f"waits least in collectives; the others' collective wait is the time they wait for "
+        f"it ({waits})."
+    )
+    return "\n".join([head, *table(ranks, verdict.rank), why])
+
+
+def format_caught_up(rank: int, host: str, ranks: Sequence[PhaseTimes], window: int) -> str:
+    """What rank 0 prints once a reported straggler is no longer one.
+
+    >>> from ddpctx.watch.clock import PhaseTimes
+    >>> ranks = [PhaseTimes(r, "h", 60, 0.0, 0.01, 0.0) for r in range(2)]
+    >>> head = format_caught_up(1, "h", ranks, 50).splitlines()[0]
+    >>> print(head.replace(" (1.00x", chr(10) + "(1.00x"))
+    ddpctx straggler report: rank 1 (h) has caught up
+    (1.00x the median rank over the last 50 steps)
+    """
+    others = [r.own for r in ranks if r.rank != rank] or [r.own for r in ranks]
+    own_median = statistics.median(others)
+    mine = next((r.own for r in ranks if r.rank == rank), own_median)
+    ratio = mine / own_median if own_median > 0 else 1.0
+    head = (
+        f"ddpctx straggler report: rank {rank} ({host}) has caught up "
+        f"({ratio:.2f}x the median rank over the last {window} steps)"
+    )
+    return "\n".join([head, *table(ranks, None)])
+
+
+def table(ranks: Sequence[PhaseTimes], marked: int | None) -> list[str]:
+    """One line per rank: median milliseconds per step by phase."""
+    host_width = max(4, *(len(r.host) for r in ranks))
+    lines = [
+        f"  rank  {'host':<{host_width}}  {'steps':>7}  {'data ms':>8}  {'compute ms':>10}  "
+        f"{'collective ms':>13}  {'step ms':>8}"
+    ]
+    for r in ranks:
+        mark = "*" if r.rank == marked else " "
+        lines.append(
+            f"  {r.rank:>3}{mark}  {r.host:<{host_width}}  {r.steps:>7}  {r.data * 1000:>8.1f}  "
+            f"{r.compute * 1000:>10.1f}  {r.collective * 1000:>13.1f}  {r.step * 1000:>8.1f}"
+        )
+    return lines

@@ -1,0 +1,427 @@
+"""Watching a run: the straggler report names the slow rank and phase, the metrics trail is exact.
+
+Straggler cases run DDP training on real ranks (the plugin's gloo group) with one
+rank made slow on purpose: asleep in its ``collate_fn`` (data) or busy in its
+model's forward (compute). DDP's gradient all-reduce makes every rank's
+backward equally long, so the report must find the rank by who waits least.
+The metrics trail is checked after a real SIGKILL and ``torchrun --max-restarts=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from ddpctx import StragglerSettings, distributed
+from ddpctx.watch.clock import PhaseTimes, StepClock
+from ddpctx.watch.loggers import CsvLogger, JsonlLogger, make_loggers
+from ddpctx.watch.straggler import find_straggler
+from tests.helpers import REPO, child_env, patience, torchrun_command
+
+SLOW_S = 0.03
+SETTINGS = StragglerSettings(window=50, tick_s=0.2)
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class Slowed(nn.Module):
+    """A linear model whose forward busy-loops ``SLOW_S`` when ``slow(step)`` says so."""
+
+    def __init__(self, slow: Any) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.slow = slow
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.slow(self.calls):
+            busy(SLOW_S)
+        self.calls += 1
+        return self.linear(x)
+
+
+def train(
+    steps: int, slow_rank: int | None, phase: str, slow_steps: range | None = None
+) -> tuple[int, list[str]]:
+    """Train ``steps`` DDP steps with ``slow_rank`` slow in ``phase``; (rank, rank 0's reports)."""
+    with distributed(seed=0, straggler=SETTINGS) as ctx:
+        slow_here = ctx.rank == slow_rank
+
+        def slow(step: int) -> bool:
+            return slow_here and (slow_steps is None or step in slow_steps)
+
+        fetched = [0]
+
+        def collate(samples: list[torch.Tensor]) -> torch.Tensor:
+            if phase == "data" and slow(fetched[0]):
+                time.sleep(SLOW_S)
+            fetched[0] += 1
+            return torch.stack(samples)
+
+        data = [torch.randn(8) for _ in range(steps * ctx.world_size * 2)]
+        loader = ctx.dataloader(data, batch_size=2, collate_fn=collate)
+        model = ctx.wrap(Slowed(slow if phase == "compute" else lambda step: False))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for x in loader:
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        watch = ctx._watch
+    assert watch is not None
+    assert watch.watcher is not None
+    return ctx.rank, watch.watcher.reports
+
+
+def named(reports: list[str]) -> set[tuple[int, str]]:
+    """(rank, phase) of every straggler a report names."""
+    found = set()
+    for report in reports:
+        match = re.match(r"ddpctx straggler report: rank (\d+) \(.+?\) is slow in (\w+):", report)
+        if match:
+            found.add((int(match[1]), match[2]))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=[3, 4], init=False, timeout=180)
+@pytest.mark.parametrize("phase", ["data", "compute"])
+def test_the_slow_rank_is_named_with_its_phase_and_no_other(
+    dist_world_size: int, phase: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow_rank = dist_world_size - 1
+    rank, reports = train(150, slow_rank, phase)
+    if rank == 0:
+        assert reports, "no straggler report"
+        assert named(reports) == {(slow_rank, phase)}, reports
+        first = reports[0].splitlines()[0]
+        assert re.fullmatch(
+            rf"ddpctx straggler report: rank {slow_rank} \(\S+\) is slow in {phase}: "
+            r"\+\d+ ms per step \(\d+\.\d\dx the median rank\) over the last 50 steps",
+            first,
+        ), first
+        size_ms = int(re.search(r"\+(\d+) ms", first)[1])  # type: ignore[index]
+        assert 15 <= size_ms <= 120, first  # 30 ms asked; a busy machine stretches it
+        assert first in capsys.readouterr().err  # printed, like the hang report
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=3, init=False, timeout=180)
+def test_an_even_job_names_nobody_over_a_thousand_steps() -> None:
+    rank, reports = train(1000, None, "compute")
+    if rank == 0:
+        assert reports == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=3, init=False, timeout=180)
+@pytest.mark.parametrize("phase", ["data", "compute"])
+def test_a_rank_slow_for_five_steps_only_is_not_reported(phase: str) -> None:
+    rank, reports = train(150, 1, phase, slow_steps=range(70, 75))
+    if rank == 0:
+        assert reports == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=3, init=False, timeout=180)
+def test_a_straggler_that_catches_up_is_said_to_have() -> None:
+    # slow for the first 100 steps, then even: reported, then caught up by the end
+    rank, reports = train(300, 2, "compute", slow_steps=range(100))
+    if rank == 0:
+        assert named(reports) == {(2, "compute")}, reports
+        assert "rank 2" in reports[-1], reports
+        assert "has caught up" in reports[-1], reports
+
+
+def times(rank: int, data: float, compute: float, wait: float) -> PhaseTimes:
+    return PhaseTimes(rank, "h", 50, data / 1000, compute / 1000, wait / 1000)
+
+
+def test_the_equalised_backward_blames_the_rank_that_waits_least() -> None:
+    # rank 1 computes 30 ms longer; its peers wait those 30 ms inside backward's all-reduce.
+    ranks = [times(0, 1, 20, 31), times(1, 1, 50, 1), times(2, 1, 20, 30)]
+    verdict = find_straggler(ranks, StragglerSettings())
+    assert verdict is not None
+    assert (verdict.rank, verdict.phase) == (1, "compute")
+    # a rank that is slow *and* waits most did not hold the others back
+    ranks = [times(0, 1, 20, 1), times(1, 1, 50, 40), times(2, 1, 20, 1)]
+    assert find_straggler(ranks, StragglerSettings()) is None
+    # under the threshold: noise
+    ranks = [times(0, 1, 20, 2), times(1, 1, 22, 0), times(2, 1, 20, 2)]
+    assert find_straggler(ranks, StragglerSettings()) is None
+
+
+def test_at_two_ranks_the_size_is_the_difference_from_the_other_rank() -> None:
+    # The median of two ranks is their mean: the excess was halved (+16 ms, 1.94x for a rank
+    # 31 ms slower) and the ratio could never reach 2x.
+    verdict = find_straggler(
+        [times(0, 0.2, 0.9, 32), times(1, 31.3, 1.1, 0.6)], StragglerSettings()
+    )
+    assert verdict is not None
+    assert (verdict.rank, verdict.phase) == (1, "data")
+    assert round(verdict.excess_s * 1000) == 31
+    assert verdict.ratio > 25
+
+
+def test_with_two_slow_ranks_of_three_the_slowest_is_still_named() -> None:
+    # rank 1 slow in data, rank 2 in compute, rank 0 waits for both: the median rank was
+    # itself slow, so nobody exceeded it and no report came at all.
+    ranks = [times(0, 0.2, 0.9, 33.7), times(1, 31.2, 1.0, 2.2), times(2, 0.1, 31.5, 2.5)]
+    verdict = find_straggler(ranks, StragglerSettings())
+    assert verdict is not None
+    assert (verdict.rank, verdict.phase) == (1, "data")
+
+
+@given(
+    base=st.floats(1.0, 200.0),
+    noise=st.lists(st.floats(0.0, 0.15), min_size=2, max_size=8),
+    extra=st.floats(0.0, 100.0),
+)
+def test_the_named_rank_is_the_slow_one_and_its_size_the_difference(
+    base: float, noise: list[float], extra: float
+) -> None:
+    # Every rank but the last computes base ms (within 15%); the last computes extra more,
+    # and the others wait for it. A report names the last rank, by about extra ms.
+    n = len(noise) + 1
+    own = [base * (1 + jitter) for jitter in noise] + [base + extra]
+    slowest = max(own)
+    ranks = [times(r, 0.0, own[r], slowest - own[r]) for r in range(n)]
+    verdict = find_straggler(ranks, StragglerSettings())
+    if extra <= 0.04 * base:  # within the jitter: nobody
+        assert verdict is None
+    if extra >= 0.5 * base + 6:  # clearly slower: named, by at most its lead over the fastest
+        assert verdict is not None
+        assert verdict.rank == n - 1
+        assert verdict.excess_s * 1000 <= own[-1] - min(own[:-1]) + 1e-6
+
+
+def test_straggler_settings_refuse_bad_values() -> None:
+    with pytest.raises(ValueError, match=r"window=0"):
+        StragglerSettings(window=0)
+    with pytest.raises(ValueError, match=r"threshold=-1"):
+        StragglerSettings(threshold=-1)
+    with pytest.raises(ValueError, match=r"straggler='yes'"):
+        distributed(straggler="yes").__enter__()  # type: ignore[arg-type]
+
+
+def test_timings_split_a_step_into_data_and_compute() -> None:
+    def collate(samples: list[int]) -> list[int]:
+        time.sleep(0.02)
+        return samples
+
+    with distributed() as ctx:
+        for _ in ctx.dataloader(list(range(20)), batch_size=2, collate_fn=collate):
+            busy(0.01)
+        mine = ctx.timings()[0]
+    assert mine.steps == 10
+    assert mine.data >= 0.018
+    assert mine.compute >= 0.009
+    assert mine.data > mine.compute > mine.collective
+
+
+def test_the_jsonl_and_csv_loggers_keep_the_steps_a_checkpoint_covers(tmp_path: Path) -> None:
+    for logger in (JsonlLogger(tmp_path), CsvLogger(tmp_path)):
+        logger.resume(None)
+        for step in range(10):
+            logger.log_metrics({"loss": step / 2}, step)
+        logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as torn:
+        torn.write('{"step": 10, "lo')  # a kill in the middle of a line
+    for logger in (JsonlLogger(tmp_path), CsvLogger(tmp_path)):
+        logger.resume(5)
+        logger.log_metrics({"loss": 9.0}, 6)
+        logger.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 5, 6]
+    assert lines[-1] == {"step": 6, "loss": 9.0}
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,loss"
+    assert rows[-1] == "6,9.0"
+    assert len(rows) == 8
+
+
+def test_a_user_logger_gets_reduced_flat_metrics_and_the_config_once(tmp_path: Path) -> None:
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, Any]] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            self.calls.append(("metrics", (step, metrics)))
+
+        def log_hparams(self, params: dict[str, Any]) -> None:
+            self.calls.append(("hparams", params))
+
+        def resume(self, step: int | None) -> None:
+            self.calls.append(("resume", step))
+
+    recorder = Recorder()
+    with distributed(loggers=(recorder,)) as ctx:
+        ctx.log_config({"lr": 0.1})
+        ctx.log({"loss": torch.tensor(0.5), "val": {"acc": 1.0}})
+        ctx.log({"loss": 0.25, "val": {"acc": 0.5}}, step=7)
+    assert recorder.calls == [
+        ("resume", None),
+        ("hparams", {"lr": 0.1}),
+        ("metrics", (0, {"loss": 0.5, "val/acc": 1.0})),
+        ("metrics", (7, {"loss": 0.25, "val/acc": 0.5})),
+    ]
+
+
+def test_logging_refuses_what_it_cannot_write(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no log_dir was given"):
+        make_loggers(("jsonl",), None)
+    with pytest.raises(ValueError, match=r"'parquet' is not a logger"):
+        make_loggers(("parquet",), tmp_path)
+    with pytest.raises(ValueError, match=r"has no log_metrics"):
+        make_loggers((object(),), tmp_path)
+    with pytest.raises(ValueError, match=r"one string"):
+        make_loggers("jsonl", tmp_path)  # type: ignore[arg-type]
+    with distributed(log_dir=tmp_path) as ctx:
+        with pytest.raises(ValueError, match=r"'loss' is Tensor of shape \(3,\), not one number"):
+            ctx.log({"loss": torch.ones(3)})
+        with pytest.raises(ValueError, match=r"step=-1"):
+            ctx.log({"loss": 1.0}, step=-1)
+
+
+def test_a_profile_of_chosen_steps_writes_one_trace_per_rank(tmp_path: Path) -> None:
+    with distributed(log_dir=tmp_path) as ctx:
+        profiling = ctx.profile(steps=(2, 3))
+        for _batch in ctx.dataloader(list(range(12)), batch_size=2):
+            torch.ones(4) @ torch.ones(4)
+        assert profiling.done
+    trace = json.loads((tmp_path / "profile" / "rank0.pt.trace.json").read_text())
+    assert trace["traceEvents"]
+
+
+@pytest.mark.slow
+def test_every_step_is_logged_exactly_once_after_a_sigkill_and_a_restart(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir, steps = tmp_path / "log", 30
+    command = torchrun_command(
+        REPO / "tests" / "scripts" / "log_resume.py",
+        str(log_dir),
+        str(tmp_path / "checkpoints"),
+        str(steps),
+        launcher_args=("--standalone", "--max-restarts=1"),
+    )
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=patience(240), env=child_env(), cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exitcode: -9" in done.stderr  # the first attempt really was killed
+    lines = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["value"]) for line in lines] == [
+        (step, step + 0.5) for step in range(steps)
+    ]
+    csv_rows = (log_dir / "metrics.csv").read_text().splitlines()
+    assert csv_rows == ["step,value", *(f"{step},{step + 0.5}" for step in range(steps))]
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("value")] == [
+        (step, step + 0.5) for step in range(steps)
+    ]
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2  # both attempts wrote
+    assert json.loads((log_dir / "config.json").read_text()) == {"lr": 0.1, "steps": 30}
+
+
+def test_a_metric_named_step_is_refused_before_the_collective(tmp_path: Path) -> None:
+    with (
+        distributed(log_dir=tmp_path) as ctx,
+        pytest.raises(ValueError, match=r"a metric named 'step'.*step=\.\.\."),
+    ):
+        ctx.log({"step": 3, "loss": 1.0})
+
+
+def test_logging_before_loading_a_checkpoint_says_the_earlier_trail_is_gone(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(2, 1)
+    with distributed(log_dir=tmp_path / "log") as ctx:
+        wrapped = ctx.wrap(model)
+        for step in range(3):
+            ctx.log({"loss": float(step)})
+        ctx.save_checkpoint(tmp_path / "checkpoints", model=wrapped, step=2)
+    with distributed(log_dir=tmp_path / "log") as ctx:
+        wrapped = ctx.wrap(model)
+        ctx.log({"loss": 9.0})
+        with pytest.warns(RuntimeWarning, match=r"ctx.log was called before load_checkpoint"):
+            meta = ctx.load_checkpoint(tmp_path / "checkpoints", model=wrapped)
+        assert meta == {"step": 2}  # the trail's own entry is taken out
+        ctx.log({"loss": 3.0})
+    lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [3]
+
+
+def test_a_resumed_block_continues_the_steps_and_keeps_the_checkpointed_ones(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(2, 1)
+    with distributed(log_dir=tmp_path / "log", loggers=("jsonl", "csv")) as ctx:
+        wrapped = ctx.wrap(model)
+        ctx.log_config({"lr": 0.5})
+        for step in range(5):
+            ctx.log({"loss": float(step)})
+            if step == 2:
+                ctx.save_checkpoint(tmp_path / "checkpoints", model=wrapped, step=step)
+    with distributed(log_dir=tmp_path / "log", loggers=("jsonl", "csv")) as ctx:
+        wrapped = ctx.wrap(model)
+        ctx.log_config({"lr": 0.25})  # a resumed run does not record its config again
+        assert ctx.load_checkpoint(tmp_path / "checkpoints", model=wrapped) == {"step": 2}
+        ctx.log({"loss": 30.0})
+    lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["loss"]) for x in lines] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert (tmp_path / "log" / "metrics.csv").read_text().splitlines()[-1] == "3,30.0"
+    assert json.loads((tmp_path / "log" / "config.json").read_text()) == {"lr": 0.5}
+
+
+class GpuTimeline:
+    """Stands in for a CUDA stream: events complete when ``done`` says, ``elapsed`` from it."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.done = True
+
+    def event(self) -> Any:
+        timeline = self
+
+        class Event:
+            def record(self) -> None:
+                self.at = timeline.clock
+
+            def query(self) -> bool:
+                return timeline.done
+
+            def elapsed_time(self, end: Any) -> float:
+                return (end.at - self.at) * 1000.0
+
+        return Event()
+
+
+def test_on_cuda_compute_is_the_gpus_time_not_what_the_host_queued() -> None:
+    # The host queues each step in ~0 s; the GPU takes 50 ms per step: compute says 50 ms.
+    gpu = GpuTimeline()
+    clock = StepClock(window=10, cuda=True, event_factory=gpu.event)
+    gpu.done = False  # the GPU lags: no step can be read yet
+    for index, _ in enumerate(clock.timed(iter(range(6)))):
+        gpu.clock += 0.05
+        if index == 3:
+            gpu.done = True
+    steps = clock.recent()
+    assert len(steps) == 6  # every step read, once its event completed
+    assert steps[0].compute < 0.01  # the first step has no earlier event: host time
+    assert all(abs(step.compute - 0.05) < 0.01 for step in steps[1:])
