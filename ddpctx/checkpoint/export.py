@@ -1,0 +1,120 @@
+"""Export a checkpoint as the plain files other code loads: a state dict and its meta.
+
+``python -m ddpctx export CHECKPOINT OUT.pt`` (or :func:`export_checkpoint`)
+writes, atomically, what :func:`~ddpctx.checkpoint.weights.load_weights` and
+:func:`~ddpctx.checkpoint.weights.checkpoint_meta` return for ``CHECKPOINT``
+(a checkpoint directory -- its newest checkpoint that loads -- or one
+checkpoint, DDP ``.pt`` or sharded ``.dcp``):
+
+- ``OUT.pt``: ``{"model": state_dict, "meta": meta, "format": "ddpctx-export-1",
+  "checkpoint": name}``, loadable with ``torch.load(OUT, weights_only=True)``
+  in any process, ddpctx installed or not.
+- ``OUT.safetensors`` (``--safetensors``, or an ``OUT`` ending in
+  ``.safetensors``; needs the ``safetensors`` package: ``pip install
+  'ddpctx[export]'``): the tensors, with the meta as JSON in the file's
+  metadata under ``"ddpctx.meta"``. Tensors that share memory (tied
+  embeddings) are written once each, as safetensors requires; loading
+  them into the model ties them again. Meta that JSON cannot hold (a
+  tensor, bytes) is refused, naming the key: export to ``.pt`` instead.
+
+Example:
+    >>> import tempfile, os
+    >>> from ddpctx import distributed
+    >>> folder = tempfile.mkdtemp()
+    >>> with distributed() as ctx:
+    ...     _ = ctx.save_checkpoint(folder, model=ctx.wrap(torch.nn.Linear(3, 2)), n_in=3)
+    >>> out = export_checkpoint(folder, os.path.join(folder, "model.pt"))
+    >>> sorted(torch.load(out, weights_only=True)["model"]), torch.load(out)["meta"]
+    (['bias', 'weight'], {'n_in': 3})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpctx.checkpoint.weights import load_weights, meta_of, resolve
+from ddpctx.utils.atomic import atomic_save, temporary_name
+
+EXPORT_FORMAT = "ddpctx-export-1"
+META_KEY = "ddpctx.meta"
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, safetensors: bool = False
+) -> Path:
+    """Write ``checkpoint``'s weights and meta to ``out`` (see the module docstring); ``out``."""
+    target = Path(out)
+    as_safetensors = safetensors or target.suffix == ".safetensors"
+    save_file = _safetensors_writer() if as_safetensors else None  # refused before reading
+    chosen = resolve(checkpoint)
+    if chosen is None:
+        raise FileNotFoundError(
+            f"{str(checkpoint)!r} holds no checkpoint to export. Pass the directory given to "
+            "ctx.save_checkpoint after a save, or one checkpoint in it."
+        )
+    weights, meta = load_weights(chosen), meta_of(chosen)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if save_file is None:
+        state = {"format": EXPORT_FORMAT, "model": weights, "meta": meta, "checkpoint": chosen.name}
+        atomic_save(state, target)
+        return target
+    text = _json_meta(meta)
+    temporary = temporary_name(target)
+    try:
+        save_file(unshared(weights), str(temporary), metadata={META_KEY: text, "format": "pt"})
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(
+            temporary, 0o666 & ~mask
+        )  # safetensors writes 0600; a .pt export follows the umask
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return target
+
+
+def _safetensors_writer() -> Any:
+    try:
+        from safetensors.torch import save_file
+    except ImportError as error:
+        raise ModuleNotFoundError(
+            "exporting to safetensors needs the safetensors package, which is not installed: "
+            "pip install 'ddpctx[export]' (or pip install safetensors), or export to a .pt file."
+        ) from error
+    return save_file
+
+
+def unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor contiguous and in memory of its own (a tied weight's second name: a copy).
+
+    >>> shared = torch.ones(2)
+    >>> out = unshared({"a": shared, "b": shared})
+    >>> out["a"].data_ptr() != out["b"].data_ptr()
+    True
+    """
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in weights.items():
+        storage = tensor.untyped_storage().data_ptr()
+        whole = tensor.is_contiguous() and tensor.numel() * tensor.element_size() == (
+            tensor.untyped_storage().nbytes()
+        )
+        out[name] = tensor if storage not in seen and whole else tensor.contiguous().clone()
+        seen.add(storage)
+    return out
+
+
+def _json_meta(meta: dict[str, Any]) -> str:
+    def refuse(value: Any) -> Any:
+        raise TypeError(
+            f"the meta holds a {type(value).__name__} ({value!r:.60}), which a safetensors "
+            "file's metadata (JSON strings) cannot hold. Export to a .pt file instead (it keeps "
+            "every meta value), or save that value as a number, string or list."
+        )
+
+    return json.dumps(meta, default=refuse)

@@ -1,0 +1,263 @@
+"""Checkpoints read beyond the run: the meta before the model exists, the weights in one process.
+
+- :func:`checkpoint_meta` returns the meta of the checkpoint that
+  ``ctx.load_checkpoint`` would restore: the newest one that loads, torn
+  or damaged ones skipped with the same warnings, checksums verified. It
+  reads no tensor (a ``.pt`` is memory-mapped; of a sharded checkpoint only
+  its small ``ddpctx.pt``), needs no process group, changes nothing in the
+  directory (no pruning), so it is safe before ``distributed()`` or inside
+  it, on any rank. Build the model from it (``GPT(GPTConfig(**meta["model_args"]))``),
+  then load.
+- :func:`load_weights` returns the model's full state dict -- plain CPU
+  tensors, keyed as the unwrapped model's ``state_dict()`` (no DDP or FSDP
+  prefixes) -- from a checkpoint directory (the same choice) or one
+  checkpoint, a ``.pt`` or a sharded ``.dcp``, in one plain process. A
+  ``.pt`` is memory-mapped (copy-on-write) and only the model's bytes are
+  read; a sharded checkpoint is read into one full tensor per entry,
+  shard by shard (no shard is held twice). Either way memory holds one copy
+  of the weights. ``optimizer=True`` adds the optimizer's state, in the form
+  ``Optimizer.state_dict()`` has (parameters numbered in the order of the
+  optimizer's parameter groups), for an optimizer built over the model's
+  parameters as in training.
+
+The choice is :func:`chosen_checkpoint`: ``load_checkpoint``'s for an unsharded
+model, from :mod:`ddpctx.checkpoint.files` and :mod:`ddpctx.checkpoint.shardfiles`.
+A checkpoint named directly is verified too; a damaged one is an error naming
+the damage (there is no older one to fall back to: you chose it).
+
+Example:
+    >>> import tempfile
+    >>> checkpoint_meta(tempfile.mkdtemp()) is None
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import torch
+
+from ddpctx.checkpoint.files import (
+    ANY_NAME,
+    FORMAT,
+    RefusedCheckpoint,
+    newest_checkpoint,
+    probe,
+)
+from ddpctx.checkpoint.shardfiles import (
+    STATE_FILE,
+    complete,
+    newest_checkpoint_dir,
+    newest_is_sharded,
+)
+from ddpctx.checkpoint.sums import intact, sidecar
+
+__all__ = ["checkpoint_meta", "chosen_checkpoint", "load_weights", "resolve"]
+
+Weights = dict[str, torch.Tensor]
+
+
+def chosen_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint ``load_checkpoint`` restores from ``directory`` into an unsharded model.
+
+    The newest that loads (torn or damaged ones skipped with a warning), a
+    ``.pt`` or a ``.dcp``; None when there is no checkpoint at all.
+    """
+    if newest_is_sharded(directory):
+        return newest_checkpoint_dir(directory)
+    return newest_checkpoint(directory)
+
+
+def resolve(path: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint ``path`` names: the chosen one of a directory, or the one given (verified).
+
+    None for a directory without checkpoints, or not there yet (a run's first start).
+    """
+    where = Path(path)
+    if not where.exists():
+        if where.suffix in (".pt", ".dcp"):
+            raise FileNotFoundError(f"{str(where)!r} does not exist. Check the path.")
+        return None  # a run's first start: no directory yet, as load_checkpoint sees it
+    one_sharded = where.is_dir() and (where / STATE_FILE).exists() and ANY_NAME.match(where.name)
+    if where.is_dir() and not one_sharded:
+        return chosen_checkpoint(where)
+    if not ANY_NAME.match(where.name):
+        raise ValueError(
+            f"{str(where)!r} is not a ddpctx checkpoint (those are named checkpoint-NNNNNN*.pt, "
+            "or checkpoint-NNNNNN*.dcp folders). An export (python -m ddpctx export) is read "
+            "with torch.load(path, weights_only=True); otherwise pass a checkpoint, or the "
+            "directory given to ctx.save_checkpoint to read the newest one that loads."
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        if one_sharded:
+            good = complete(where)
+        else:
+            good = intact(sidecar(where), where.parent, (where.name,), where) and _probed(where)
+    for warning in caught:
+        if good:  # e.g. "no checksum manifest": said as loading would say it
+            warnings.warn(warning.message, RuntimeWarning, stacklevel=3)
+    if not good:
+        said = "; ".join(str(w.message) for w in caught) or "it does not load"
+        said = said.replace("; trying an older checkpoint", "")  # none is: it was named
+        raise RuntimeError(
+            f"{str(where)!r} cannot be read: {said.replace('skipping ', '', 1)}. Name an older "
+            "checkpoint, or pass the directory to use the newest one that loads."
+        )
+    return where
+
+
+def _probed(path: Path) -> bool:
+    """Whether the one file named loads; not a ddpctx checkpoint (an export?) says so."""
+    try:
+        return probe(path) is not None
+    except RefusedCheckpoint as error:
+        if "not a ddpctx checkpoint" not in str(error):
+            raise
+        raise ValueError(
+            f"{str(path)!r} is not a ddpctx checkpoint (no format {FORMAT!r}). An export "
+            "(python -m ddpctx export) is read with torch.load(path, weights_only=True)"
+            "['model']; pass a checkpoint, or the directory given to ctx.save_checkpoint."
+        ) from error
+
+
+def _small_state(checkpoint: Path) -> dict[str, Any]:
+    """The state without the shards (``ddpctx.pt``), or the ``.pt`` memory-mapped."""
+    target = checkpoint / STATE_FILE if checkpoint.is_dir() else checkpoint
+    state = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+    if not (isinstance(state, dict) and state.get("format") == FORMAT):
+        raise ValueError(
+            f"{str(target)!r} is not a ddpctx checkpoint (no format {FORMAT!r}); load it "
+            "with torch.load."
+        )
+    return state
+
+
+#: Meta keys ddpctx itself stores and ``load_checkpoint`` removes (the metrics trail's last
+#: logged step, under ``distributed(log_dir=...)``): never the caller's.
+RUN_META = ("ddpctx_log_step",)
+
+
+def meta_of(checkpoint: Path) -> dict[str, Any]:
+    """The meta ``load_checkpoint`` returns for ``checkpoint`` (``step`` added when saved)."""
+    state = _small_state(checkpoint)
+    meta: dict[str, Any] = {k: v for k, v in state["meta"].items() if k not in RUN_META}
+    if state.get("step") is not None:
+        meta["step"] = state["step"]
+    return meta
+
+
+def checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The meta of the checkpoint ``load_checkpoint`` would restore; None when there is none.
+
+    None when there is no checkpoint, or no directory yet (as ``load_checkpoint``
+    sees it). Reads no tensor, needs no process group, changes nothing: call it before
+    ``distributed()`` to build the model from the saved settings. Also takes
+    one checkpoint (a ``.pt`` file or a ``.dcp`` directory). ``step`` is in it
+    when the checkpoint was saved with ``step=``.
+
+    >>> import tempfile
+    >>> from ddpctx import distributed
+    >>> folder = tempfile.mkdtemp()
+    >>> with distributed() as ctx:
+    ...     model = ctx.wrap(torch.nn.Linear(3, 2))
+    ...     _ = ctx.save_checkpoint(folder, model=model, step=7, model_args={"n_in": 3})
+    >>> checkpoint_meta(folder)
+    {'model_args': {'n_in': 3}, 'step': 7}
+    """
+    checkpoint = resolve(directory)
+    return None if checkpoint is None else meta_of(checkpoint)
+
+
+def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
+    """The entries ``keys`` of a sharded checkpoint, whole, in this process (no process group)."""
+    # DCP's own single-process reader (what its dcp_to_torch_save uses): each full tensor
+    # is allocated once from the metadata and every shard read straight into it.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=FileSystemReader(str(checkpoint)),
+        planner=_EmptyStateDictLoadPlanner(keys=keys),  # type: ignore[no-untyped-call]
+        no_dist=True,
+    )
+    return state
+
+
+def _numbered(saved: dict[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint's optimizer state (keyed by parameter name) as torch numbers it."""
+    groups = saved.get("param_groups") or []
+    order = {name: number for number, name in enumerate(n for g in groups for n in g["params"])}
+    return {
+        "state": {order[name]: value for name, value in (saved.get("state") or {}).items()},
+        "param_groups": [
+            {**group, "params": [order[name] for name in group["params"]]} for group in groups
+        ],
+    }
+
+
+@overload
+def load_weights(path: str | os.PathLike[str], *, optimizer: Literal[False] = False) -> Weights: ...
+
+
+@overload
+def load_weights(
+    path: str | os.PathLike[str], *, optimizer: Literal[True]
+) -> tuple[Weights, dict[str, Any]]: ...
+
+
+def load_weights(
+    path: str | os.PathLike[str], *, optimizer: bool = False
+) -> Weights | tuple[Weights, dict[str, Any]]:
+    """The model's full state dict from a checkpoint, in one plain process (CPU tensors).
+
+    ``path``: the checkpoint directory (the checkpoint ``load_checkpoint``
+    would restore) or one checkpoint, a DDP ``.pt`` or a sharded ``.dcp``.
+    Keys are the unwrapped model's (``model.load_state_dict(weights)`` on a
+    plain model). ``optimizer=True`` returns ``(weights, optimizer_state)``,
+    the latter loadable by ``Optimizer.load_state_dict`` of an optimizer made
+    as in training. No process group is needed; inside ``distributed()`` each
+    rank that calls it reads the whole model.
+
+    >>> import tempfile
+    >>> from ddpctx import distributed
+    >>> folder = tempfile.mkdtemp()
+    >>> with distributed() as ctx:
+    ...     model = ctx.wrap(torch.nn.Linear(3, 2))
+    ...     _ = ctx.save_checkpoint(folder, model=model)
+    >>> sorted(load_weights(folder))
+    ['bias', 'weight']
+    """
+    checkpoint = resolve(path)
+    if checkpoint is None:
+        raise FileNotFoundError(
+            f"{str(path)!r} holds no checkpoint (or does not exist). Pass the directory given "
+            "to ctx.save_checkpoint after a save, or one checkpoint file."
+        )
+    if checkpoint.is_dir():
+        small = _small_state(checkpoint)
+        if optimizer and not small.get("optimizer_saved"):
+            raise _no_optimizer(checkpoint)
+        state = _sharded(checkpoint, {"model", "optimizer"} if optimizer else {"model"})
+        weights: Weights = dict(state.get("model", {}))
+        return (weights, _numbered(state["optimizer"])) if optimizer else weights
+    state = _small_state(checkpoint)
+    weights = dict(state["model"])
+    if not optimizer:
+        return weights
+    if state.get("optimizer") is None:
+        raise _no_optimizer(checkpoint)
+    return weights, state["optimizer"]
+
+
+def _no_optimizer(checkpoint: Path) -> ValueError:
+    return ValueError(
+        f"{str(checkpoint)!r} was saved without an optimizer (save_checkpoint had no "
+        "optimizer=), so it holds no optimizer state. Call load_weights without optimizer=True."
+    )
