@@ -1,6 +1,7 @@
 """ddpctx next to what users would otherwise pick, in one run, as ratios.
 
 Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
+      python benchmarks/run.py --only reduction --sizes 32 --rounds 500 --calls 10
 
 1. Metric reduction: dicts of 1, 8, 32, 128 scalar metrics and one 1M-element
    tensor -- one raw all_reduce (the floor), @all_reduced, a per-metric loop,
@@ -25,8 +26,9 @@ Run:  python benchmarks/run.py [--quick] [--world-size 2] [--write]
    processes per test (benchmarks/bench_harness.py).
 6. Scaling: the 32-metric reduction at 2, 4 and 8 ranks (oversubscribed on 2 cores).
 
-Contenders are interleaved round by round so machine noise hits each alike;
-the tables show medians and ratios. Anchors that are not installed (extra
+Contenders are interleaved round by round, in a new order each round (the same
+on every rank), so machine noise and what one contender leaves behind hit
+each alike; the tables show medians and ratios. Anchors that are not installed (extra
 `bench`) are reported as missing; the rest still runs. `--write` regenerates
 BENCHMARKS.md and benchmarks/reduction.png from this run.
 """
@@ -141,8 +143,9 @@ def reduction_rank(sizes: list[str], rounds: int, calls: int, anchors: bool) -> 
             for _ in range(3):
                 fn()
         repeat = calls if size != "1M tensor" else max(2, calls // 10)
-        for _ in range(rounds):
-            for name, fn in contenders.items():
+        for round_index in range(rounds):
+            for name in round_order(list(contenders), round_index):
+                fn = contenders[name]
                 ctx.barrier()
                 started = time.perf_counter()
                 for _ in range(repeat):
@@ -151,6 +154,19 @@ def reduction_rank(sizes: list[str], rounds: int, calls: int, anchors: bool) -> 
     missing = {name: reason for name, reason in extra.items() if isinstance(reason, str)}
     samples["_missing"] = {name: [] for name in missing}
     return samples
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The contenders' order in one round: shuffled anew each round, the same on every rank.
+
+    A fixed order gives each contender the same predecessor every round (the floor always
+    first after the barrier, the loop always after ddpctx): whatever one leaves behind --
+    a rank still catching up, a warm cache -- lands on the same neighbour each time and
+    the paired ratio inherits it.
+    """
+    order = list(names)
+    random.Random(round_index).shuffle(order)  # seeded: the same order on every rank
+    return order
 
 
 PARTS = ("batch", "model", "metric")
@@ -523,6 +539,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--write", action="store_true", help="regenerate BENCHMARKS.md")
     parser.add_argument(
+        "--sizes",
+        default="",
+        help="comma-separated reduction sizes to run, e.g. 32 (default: all; not with --write)",
+    )
+    parser.add_argument("--rounds", type=int, default=0, help="rounds (default: 25, quick 8)")
+    parser.add_argument("--calls", type=int, default=0, help="calls per round (default: 40)")
+    parser.add_argument(
         "--only",
         default="",
         help=f"comma-separated sections to run, of {','.join(SECTIONS)} (not with --write)",
@@ -531,8 +554,11 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     if only - set(SECTIONS):
         parser.error(f"--only {args.only}: unknown {sorted(only - set(SECTIONS))}; use {SECTIONS}")
-    if only and args.write:
-        parser.error("--only with --write would write a page missing sections; drop one of them")
+    if (only or args.sizes or args.rounds or args.calls) and args.write:
+        parser.error(
+            "--only, --sizes, --rounds or --calls with --write would write a page unlike the "
+            "others; drop one of them"
+        )
 
     def want(section: str) -> bool:
         return not only or section in only
@@ -544,6 +570,9 @@ def main() -> None:
     if not quick:
         sizes.insert(1, "8")
     rounds, calls = (8, 20) if quick else (25, 40)
+    rounds, calls = args.rounds or rounds, args.calls or calls
+    if args.sizes:
+        sizes = [size.strip() for size in args.sizes.split(",")]
     started = time.perf_counter()
     report: list[str] = []
 

@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ddpctx.checkpoint.weights import checkpoint_meta, load_weights
     from ddpctx.compat import (
         cleanup_ddp,
         format_time,
@@ -31,10 +32,14 @@ if TYPE_CHECKING:
     from ddpctx.reduce.collectives import ReductionError
     from ddpctx.session.context import DistributedSession, current, distributed
     from ddpctx.session.distcontext import DistContext
+    from ddpctx.watch.clock import PhaseTimes
+    from ddpctx.watch.straggler import StragglerSettings
 
 __version__ = "0.1.0"
 
 _HOMES = {
+    "checkpoint_meta": "ddpctx.checkpoint.weights",
+    "load_weights": "ddpctx.checkpoint.weights",
     "ReductionError": "ddpctx.reduce.collectives",
     "cleanup_ddp": "ddpctx.compat",
     "format_time": "ddpctx.compat",
@@ -56,18 +61,23 @@ _HOMES = {
     "RankZeroError": "ddpctx.rankzero.outcome",
     "get_logger": "ddpctx.rankzero.report",
     "progress": "ddpctx.rankzero.report",
+    "PhaseTimes": "ddpctx.watch.clock",
+    "StragglerSettings": "ddpctx.watch.straggler",
 }
 
 __all__ = [
     "DistContext",
     "DistributedSession",
     "HangError",
+    "PhaseTimes",
     "RankError",
     "RankTimeoutError",
     "RankZeroError",
     "ReductionError",
+    "StragglerSettings",
     "__version__",
     "all_reduced",
+    "checkpoint_meta",
     "cleanup_ddp",
     "current",
     "distributed",
@@ -75,6 +85,7 @@ __all__ = [
     "get_logger",
     "get_model_size",
     "launch",
+    "load_weights",
     "progress",
     "rank_zero_first",
     "rank_zero_only",

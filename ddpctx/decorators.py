@@ -1,23 +1,24 @@
 """Moved to :mod:`ddpctx.rankzero.decorators`.
 
-This old path still imports, with a ``DeprecationWarning``.
-
-Import these names from the package instead (``from ddpctx import rank_zero_only``),
-which does not change when modules move.
+This old path still imports, with a ``DeprecationWarning`` naming each name's new home.
 """
 
 from __future__ import annotations
 
-import warnings
-
 from ddpctx.rankzero.decorators import all_reduced, rank_zero_first, rank_zero_only
+from ddpctx.utils.moved import warn_moved
 
-__all__ = ["all_reduced", "rank_zero_first", "rank_zero_only"]
+__all__ = [
+    "all_reduced",
+    "rank_zero_first",
+    "rank_zero_only",
+]
 
-warnings.warn(
-    "ddpctx.decorators moved to ddpctx.rankzero.decorators; "
-    "import all_reduced, rank_zero_first, rank_zero_only from ddpctx itself "
-    "(e.g. `from ddpctx import rank_zero_only`).",
-    DeprecationWarning,
-    stacklevel=2,
+warn_moved(
+    __name__,
+    {
+        "all_reduced": "ddpctx.rankzero.decorators",
+        "rank_zero_first": "ddpctx.rankzero.decorators",
+        "rank_zero_only": "ddpctx.rankzero.decorators",
+    },
 )

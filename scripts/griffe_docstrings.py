@@ -11,7 +11,12 @@ So, for the site only, this extension
   splits into prose and doctests and mkdocstrings renders as ``pycon`` code;
 - fences stand-alone doctests as ``pycon`` code and ``::`` literal blocks as
   ``python`` code (both highlighted by Pygments at build time);
-- turns roles into code spans.
+- turns roles into code spans;
+- leaves out maintainers' notes: a paragraph that opens with ``Layering:`` or
+  ``May import:`` (where a module sits among the package's layers), and
+  everything from a paragraph that opens with ``For maintainers:`` to the end,
+  and pointers to internal modules (``(see :mod:`ddpctx.data.book`)``).
+  ``help()`` and the source still show them; the reference is for users.
 
 The docstrings themselves stay as they are. Griffe reads the source
 statically: building the site imports neither ddpctx nor torch.
@@ -37,6 +42,34 @@ def _indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
 
+MODULE_POINTER = re.compile(
+    r"\s*\((?:see\s+)?:mod:`~?ddpctx\.[\w.]+`\)|;\s*:mod:`~?ddpctx\.[\w.]+`(?=\))"
+)
+MAINTAINERS_NOTE = ("Layering:", "May import:")
+MAINTAINERS_REST = "For maintainers:"
+
+
+def without_maintainers_notes(text: str) -> str:
+    r"""``text`` without its maintainers' paragraphs (see the module docstring).
+
+    >>> without_maintainers_notes("Does x.\n\nLayering: below y.\nAbove z.\n\nExample: 1")
+    'Does x.\n\nExample: 1'
+    >>> without_maintainers_notes("Does x.\n\nFor maintainers: the modules.\n\n- a\n- b")
+    'Does x.'
+    >>> pointers = "Saves it (see\n:mod:`ddpctx.checkpoint.meta`). Checks (one; :mod:`ddpctx.x`)."
+    >>> without_maintainers_notes(pointers)
+    'Saves it. Checks (one).'
+    """
+    kept: list[str] = []
+    for paragraph in re.split(r"\n[ \t]*\n", text):
+        opening = paragraph.lstrip()
+        if opening.startswith(MAINTAINERS_REST):
+            break
+        if not opening.startswith(MAINTAINERS_NOTE):
+            kept.append(paragraph)
+    return MODULE_POINTER.sub("", "\n\n".join(kept).rstrip())
+
+
 def markdown_docstring(text: str) -> str:
     r"""``text`` with doctests and literal blocks fenced, and reST roles as code spans.
 
@@ -51,7 +84,7 @@ def markdown_docstring(text: str) -> str:
     >>> markdown_docstring("Example:\n    " + doctest).splitlines()[0]
     'Examples:'
     """
-    lines, out = fence_literal_blocks(text.splitlines()), []
+    lines, out = fence_literal_blocks(without_maintainers_notes(text).splitlines()), []
     in_section = in_doctest = in_fence = False
     for line in lines:
         stripped = line.strip()

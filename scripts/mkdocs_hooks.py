@@ -2,7 +2,8 @@
 
 README.md becomes the home page, BENCHMARKS.md and CHANGELOG.md their own
 pages, with the benchmark plot beside them. Links written for reading on the
-repository (``docs/x.md``, ``BENCHMARKS.md``) are pointed at the site's pages.
+repository (``docs/x.md``, ``BENCHMARKS.md``; from a guide ``../../BENCHMARKS.md``)
+are pointed at the site's pages.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def on_files(files: Files, config: Any) -> Files:
 
 def on_page_markdown(markdown: str, page: Page, config: Any, files: Files) -> str:
     if page.file.src_uri not in PAGES:
+        # A page in docs/ links the top-level documents as the repository holds them
+        # (docs/guides/x.md: ../../BENCHMARKS.md); on the site they sit beside index.md.
+        up = "../" * page.file.src_uri.count("/")
+        for source, served in PAGES.items():
+            markdown = markdown.replace(f"]({up}../{served}", f"]({up}{source}")
         return markdown
     for old, new in LINKS.items():
         markdown = re.sub(rf"\]\({re.escape(old)}", f"]({new}", markdown)

@@ -256,3 +256,16 @@ def hold_the_gil_until_opened(fifo: str) -> None:
 def open_for_writing(fifo: str) -> None:
     """End the stall of a rank in :func:`hold_the_gil_until_opened`."""
     os.close(os.open(fifo, os.O_WRONLY))
+
+
+def checkpoint_names(folder: Path) -> list[str]:
+    """The checkpoints in ``folder``, sorted, once every single-file one is checked to have its
+    checksum manifest (``.pt.sums``, and no manifest without its file).
+
+    Left out: those manifests and the writer lock a running job holds (``.ddpctx-writer.lock``).
+    """
+    names = sorted(path.name for path in folder.iterdir())
+    manifests = {name for name in names if name.endswith(".pt.sums")}
+    files = {name for name in names if name.startswith("checkpoint-") and name.endswith(".pt")}
+    assert manifests == {name + ".sums" for name in files}, names
+    return [name for name in names if name not in manifests and name != ".ddpctx-writer.lock"]

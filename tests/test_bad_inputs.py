@@ -477,10 +477,10 @@ ROWS = [
     ),
     Row(
         "data",
-        "an IterableDataset",
-        TypeError,
-        "an IterableDataset must shard itself",
-        in_context(lambda c, t: c.dataloader(Stream(), batch_size=1)),
+        "a stream with shuffle=True and no shuffle_buffer",
+        ValueError,
+        "shuffled through a buffer of samples. Pass shuffle_buffer=N",
+        in_context(lambda c, t: c.dataloader(Stream(), batch_size=1, shuffle=True)),
     ),
     Row(
         "data",
@@ -616,7 +616,7 @@ ROWS = [
         "checkpoint",
         "checkpoints exist and none loads",
         RuntimeError,
-        "none of them loads (all torn)",
+        "none of them loads (each is torn or damaged: see the warnings)",
         in_context(only_torn_checkpoints),
     ),
     Row(

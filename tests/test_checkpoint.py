@@ -26,7 +26,7 @@ from torch import nn
 from ddpctx import DistContext, RankZeroError, distributed
 from ddpctx.checkpoint.files import atomic_save, training_state
 from ddpctx.utils.atomic import _FileSink
-from tests.helpers import REPO, child_env, patience, wait_for_files
+from tests.helpers import REPO, checkpoint_names, child_env, patience, wait_for_files
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 
@@ -169,7 +169,7 @@ def test_a_full_disk_says_so_and_keeps_the_old_checkpoints(
         with pytest.raises(OSError, match=r"no space left on device while saving '.*w\.pt'"):
             ctx.save({"w": torch.ones(1000)}, tmp_path / "w.pt")
         monkeypatch.undo()
-        assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000001-epoch0.pt"]
+        assert checkpoint_names(tmp_path) == ["checkpoint-000001-epoch0.pt"]
         assert ctx.load_checkpoint(tmp_path, model=model) == {"epoch": 0}
 
 
@@ -274,7 +274,7 @@ def test_only_the_newest_checkpoints_are_kept(dist_ctx: DistContext, tmp_path: P
     model = dist_ctx.wrap(Net())
     for epoch in range(4):
         dist_ctx.save_checkpoint(tmp_path, model=model, keep=2, epoch=epoch)
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = checkpoint_names(tmp_path)
     assert names == ["checkpoint-000003-epoch2.pt", "checkpoint-000004-epoch3.pt"]
     assert dist_ctx.load_checkpoint(tmp_path, model=model) == {"epoch": 3}
 
@@ -420,7 +420,7 @@ def test_a_checkpoint_that_would_not_load_is_removed_and_prunes_nothing(tmp_path
             ctx.save_checkpoint(
                 tmp_path, model=Net(), keep=1, extra={"ema": Tracker(np.float64(1))}, epoch=1
             )
-        assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000001-epoch0.pt"]
+        assert checkpoint_names(tmp_path) == ["checkpoint-000001-epoch0.pt"]
         assert ctx.load_checkpoint(tmp_path, model=Net()) == {"epoch": 0}
 
 

@@ -3,7 +3,9 @@ mismatches, same-step saves, pruning after a stop, and one writer per directory.
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +20,8 @@ from torch import nn
 
 from ddpctx import DistContext, distributed
 from ddpctx.checkpoint.files import checkpoint_paths
-from tests.helpers import REPO, child_env
+from ddpctx.checkpoint.sums import sidecar
+from tests.helpers import REPO, checkpoint_names, child_env
 
 
 class Counter:
@@ -161,6 +164,7 @@ def test_a_step_counted_scheduler_with_another_horizon_is_named_in_a_warning(
     state["world_size"] = state["loaders"][0]["world_size"] = 2  # as if saved by 2 ranks
     state["rng"] = state["rng"] * 2
     torch.save(state, path)
+    sidecar(path).unlink()  # edited: its checksums no longer hold (loads as an unverified one)
     with distributed() as ctx, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ctx.load_checkpoint(tmp_path, model=model, allow_world_size_change=True, scheduler=None)
@@ -230,9 +234,10 @@ def test_a_second_job_writing_the_same_directory_is_refused(tmp_path: Path) -> N
             text=True,
             timeout=120,
         )
-        assert other.returncode == 0, other.stderr[-2000:]
-        with pytest.raises(RuntimeError, match=r"holds 'checkpoint-000002-epoch5.pt', which this"):
-            ctx.save_checkpoint(tmp_path, model=nn.Linear(1, 1), epoch=1)
+        assert other.returncode != 0  # refused at its first save, naming this job
+        assert f"another job is writing checkpoints to {str(tmp_path)!r}" in other.stderr
+        assert f"pid {os.getpid()}" in other.stderr
+        ctx.save_checkpoint(tmp_path, model=nn.Linear(1, 1), epoch=1)
     assert len(checkpoint_paths(tmp_path)) == 2
 
 
@@ -259,7 +264,7 @@ def test_a_killed_saves_temporary_is_removed_at_the_next_load(tmp_path: Path) ->
     stale.write_bytes(b"half of a large checkpoint")
     with distributed() as ctx:
         assert ctx.load_checkpoint(tmp_path, model=nn.Linear(1, 1)) == {"epoch": 0}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001-epoch0.pt"]
+    assert checkpoint_names(tmp_path) == ["checkpoint-000001-epoch0.pt"]
 
 
 def test_a_read_only_checkpoint_directory_loads_and_refuses_a_save_by_name(
@@ -292,3 +297,154 @@ def test_a_read_only_checkpoint_directory_loads_and_refuses_a_save_by_name(
     assert lines[0] == "loaded {'epoch': 2}"
     assert lines[1].startswith("refused [Errno 30] cannot save to ")
     assert "is on a read-only file system. Nothing was written; save to a writable" in lines[1]
+
+
+class Draws(torch.utils.data.Dataset[float]):
+    """Each item a draw from the dataset's own generator (Kronos' windows), reseeded per epoch."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> float:
+        return draw_from(self.generator)
+
+
+def draw_from(generator: Any) -> float:
+    if isinstance(generator, random.Random):
+        return generator.random()
+    if isinstance(generator, torch.Generator):
+        return torch.rand(1, generator=generator).item()
+    return float(generator.random())
+
+
+def reseed(generator: Any, seed: int) -> None:
+    if isinstance(generator, random.Random):
+        generator.seed(seed)
+    elif isinstance(generator, torch.Generator):
+        generator.manual_seed(seed)
+    elif isinstance(generator, np.random.RandomState):
+        generator.seed(seed)
+    else:
+        generator.bit_generator.state = np.random.PCG64(seed).state
+
+
+def epoch_draws(
+    folder: Path, generator: Any, *, stop_at: int | None, reseed_when: str
+) -> tuple[list[float], list[str]]:
+    """Two epochs of 3 batches; save after each batch, stop after batch ``stop_at`` (a kill).
+
+    Without ``stop_at`` it resumes from ``folder``. ``reseed_when``: "always" (every epoch,
+    the resumed one too) or "fresh-epochs" (only when ``loader.start == 0``).
+    """
+    read: list[float] = []
+    with warnings.catch_warnings(record=True) as caught, distributed(seed=3) as ctx:
+        warnings.simplefilter("always")
+        dataset = Draws(generator)
+        loader = ctx.dataloader(dataset, batch_size=4, shuffle=True)
+        model = nn.Linear(1, 1)
+        state = {"rng": generator}
+        meta = ctx.load_checkpoint(folder, model=model, rank_state=state)
+        start, batch = (meta["epoch"], meta["batch"]) if meta else (0, 0)
+        for epoch in ctx.epochs(2, start=start):
+            if reseed_when == "always" or loader.start == 0:
+                reseed(generator, 100 + epoch)
+            for values in loader:
+                read += values.tolist()
+                batch += 1
+                ctx.save_checkpoint(folder, model=model, rank_state=state, epoch=epoch, batch=batch)
+                if batch == stop_at:
+                    return read, [str(w.message) for w in caught]
+    return read, [str(w.message) for w in caught]
+
+
+GENERATORS = {
+    "random.Random": lambda: random.Random(0),
+    "numpy.random.Generator": lambda: np.random.default_rng(0),
+    "numpy.random.RandomState": lambda: np.random.RandomState(0),
+    "torch.Generator": lambda: torch.Generator().manual_seed(0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+@pytest.mark.parametrize("stop_at", [1, 2, 3, 5])
+@pytest.mark.parametrize("reseed_when", ["always", "fresh-epochs"])
+def test_a_restored_generator_reseeded_before_the_resumed_epoch_reads_on_is_named(
+    tmp_path: Path, kind: str, stop_at: int, reseed_when: str
+) -> None:
+    whole, quiet = epoch_draws(
+        tmp_path / "whole", GENERATORS[kind](), stop_at=None, reseed_when="always"
+    )
+    assert not [message for message in quiet if "rank_state[" in message]
+    before, _ = epoch_draws(
+        tmp_path / "cut", GENERATORS[kind](), stop_at=stop_at, reseed_when=reseed_when
+    )
+    after, caught = epoch_draws(
+        tmp_path / "cut", GENERATORS[kind](), stop_at=None, reseed_when=reseed_when
+    )
+    named = [message for message in caught if "rank_state['rng']" in message]
+    mid_epoch = stop_at % 3 != 0  # a stop at an epoch's end resumes at the next epoch's start
+    if reseed_when == "always" and mid_epoch:
+        assert before + after != whole  # the reseed undid the restore ...
+        assert len(named) == 1  # ... and the warning says so, with the fix
+        assert f"(a {kind})" in named[0]
+        assert "if loader.start == 0: dataset.set_epoch_seed(epoch)" in named[0]
+        if kind == "random.Random":
+            assert "it was reseeded before" in named[0]
+    else:  # the documented fix, or a reseed where the uninterrupted run reseeds too
+        assert before + after == whole
+        assert named == []
+
+
+def one_cycle_mid_epoch(folder: str, save: bool) -> tuple[int, int]:
+    """20 samples in batches of 3 with drop_last: 3 batches per epoch on 2 ranks, 2 on 3.
+
+    Saving: 2 batches into epoch 0 (12 samples read). Resuming: the refusal's suggested
+    total for 2 epochs (the rest of epoch 0 and epoch 1) builds the new OneCycleLR, which is
+    stepped once per batch; returns (batches stepped, total_steps).
+    """
+    from ddpctx import current
+
+    ctx = current()
+    assert ctx is not None
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = ctx.dataloader(list(range(20)), batch_size=3, shuffle=True, drop_last=True)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=2 * len(loader))
+    if save:
+        for _ in ctx.epochs(1):
+            for number, _batch in enumerate(loader, start=1):
+                optimizer.step()
+                cycle.step()
+                if number == 2:
+                    ctx.save_checkpoint(folder, model=model, optimizer=optimizer, scheduler=cycle)
+                    return number, 0
+    with pytest.raises(ValueError, match="OneCycleLR") as refused:
+        ctx.load_checkpoint(
+            folder, model=model, optimizer=optimizer, scheduler=cycle, allow_world_size_change=True
+        )
+    message = str(refused.value)
+    found = re.search(r"total_steps = (\d+) \+ (\d+) x \(epochs after epoch 0\)", message)
+    assert found is not None, message
+    total = int(found[1]) + int(found[2]) * 1  # one epoch after the resumed one
+    ctx.load_checkpoint(folder, model=model, optimizer=optimizer, allow_world_size_change=True)
+    fresh = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+    stepped = 0
+    for _ in ctx.epochs(2):
+        for _batch in loader:
+            optimizer.step()
+            fresh.step()  # raises "Tried to step ... times" past total_steps
+            stepped += 1
+    return stepped, total
+
+
+def test_a_one_cycle_refusal_suggests_the_total_the_resized_run_steps(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    # Under drop_last the resumed epoch has 1 batch left on 3 ranks and later epochs 2; the
+    # message suggested "remaining epochs x 3" (batches counted without drop_last).
+    run_distributed(one_cycle_mid_epoch, str(tmp_path), True, world_size=2)
+    for stepped, total in run_distributed(one_cycle_mid_epoch, str(tmp_path), False, world_size=3):
+        assert stepped == total == 3

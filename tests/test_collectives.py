@@ -417,3 +417,111 @@ def test_async_errors_are_raised_at_result_on_every_rank(dist_ctx: DistContext) 
     mismatch = dist_ctx.all_reduce({key: 1.0}, async_op=True)
     error = expect_error_everywhere(mismatch.result, ReductionError)
     assert "rank 1 lacks ['acc']; adds ['f1']" in str(error)
+
+
+@RANKS
+def test_async_first_calls_of_one_site_read_in_another_order_give_the_right_values(
+    dist_ctx: DistContext,
+) -> None:
+    # Found by an outside user: rank 0 read the second handle first; both ranks got
+    # [102.0, 102.0] instead of [3.0, 201.0] -- the two calls' agreements paired crosswise.
+    n, rank = dist_ctx.world_size, dist_ctx.rank
+
+    @all_reduced(op="sum", async_op=True)
+    def first(value: float) -> float:
+        return value
+
+    handles = [first(1.0 + rank), first(100.0 + rank), first(1000.0 + rank)]
+    order = [2, 0, 1] if rank == 0 else [0, 1, 2]  # one rank reads in another order
+    results = {index: handles[index].result() for index in order}
+    assert [results[i] for i in range(3)] == [
+        sum(1.0 + r for r in range(n)),
+        sum(100.0 + r for r in range(n)),
+        sum(1000.0 + r for r in range(n)),
+    ]
+
+
+@RANKS
+@pytest.mark.parametrize("calls", ["first", "steady"])
+def test_async_handles_of_a_two_collective_result_read_in_another_order_are_right(
+    dist_ctx: DistContext, calls: str
+) -> None:
+    # A sum and a max travel in two collectives; the second is sent when the handle is read,
+    # so reading swapped on one rank paired one call's max with the other's.
+    n, rank = dist_ctx.world_size, dist_ctx.rank
+    site_ops = {"total": "sum", "peak": "max"}
+    if calls == "steady":
+        dist_ctx.all_reduce({"total": 0.0, "peak": 0.0}, op=site_ops)  # agreed before
+    handles = [
+        dist_ctx.all_reduce(
+            {"total": k + rank, "peak": 10.0 * k + rank}, op=site_ops, async_op=True
+        )
+        for k in (1.0, 2.0)
+    ]
+    later, earlier = (handles[1].result(), handles[0].result()) if rank == 1 else (None, None)
+    earlier = handles[0].result() if rank != 1 else earlier
+    later = handles[1].result() if rank != 1 else later
+    assert earlier == {"total": sum(1.0 + r for r in range(n)), "peak": 10.0 + n - 1}
+    assert later == {"total": sum(2.0 + r for r in range(n)), "peak": 20.0 + n - 1}
+
+
+@RANKS
+def test_an_async_handle_dropped_unread_on_every_rank_leaves_the_others_right(
+    dist_ctx: DistContext,
+) -> None:
+    n, rank = dist_ctx.world_size, dist_ctx.rank
+    dist_ctx.all_reduce(float(rank), op="sum", async_op=True)  # dropped unread (steady or not)
+    kept = dist_ctx.all_reduce({"x": float(rank)}, op="sum", async_op=True)
+    assert kept.result() == {"x": float(sum(range(n)))}
+    assert dist_ctx.all_reduce(1.0, op="sum") == float(n)
+
+
+@RANKS
+@pytest.mark.parametrize("reader", ["rank 0 only", "every rank, at different points"])
+def test_async_handles_read_on_some_ranks_or_at_different_points_pair_nothing_wrongly(
+    dist_ctx: DistContext, reader: str
+) -> None:
+    # The usual logging pattern: a two-collective metric sent async, read under
+    # `if ctx.is_main:` (or before a sync reduction on one rank and after it on another),
+    # with sync reductions in between. Reading once sent the second collective, which then
+    # paired with another rank's sync reduction: wrong numbers on every rank, no error.
+    n, rank = dist_ctx.world_size, dist_ctx.rank
+    ops = {"loss": "sum", "peak": "max"}
+    for step in range(1, 6):  # the site's first call agrees at once; then the steady state
+        handle = dist_ctx.all_reduce(
+            {"loss": step + rank, "peak": 10.0 * step + rank}, op=ops, async_op=True
+        )
+        expected = {"loss": float(sum(step + r for r in range(n))), "peak": 10.0 * step + n - 1}
+        early = (rank + step) % 2 == 0
+        if reader == "rank 0 only":
+            if dist_ctx.is_main:
+                assert handle.result() == expected
+        elif early:
+            assert handle.result() == expected
+        assert dist_ctx.all_reduce(float(rank + step), op="sum") == sum(r + step for r in range(n))
+        if reader != "rank 0 only" and not early:
+            assert handle.result() == expected
+        del handle
+
+
+@RANKS
+def test_an_async_handle_is_completed_without_being_waited_for(dist_ctx: DistContext) -> None:
+    ops = {"loss": "sum", "peak": "max"}
+    for _ in range(2):  # one site: the second call is the steady state
+        handle = dist_ctx.all_reduce({"loss": 1.0, "peak": 2.0}, op=ops, async_op=True)
+    deadline = time.monotonic() + patience(30)
+    while not handle.is_completed():  # as a torch Work is polled
+        assert time.monotonic() < deadline, "is_completed() never became True"
+        time.sleep(0.001)
+    assert handle.result() == {"loss": float(dist_ctx.world_size), "peak": 2.0}
+
+
+@pytest.mark.distributed(world_size=2, timeout=60, init=False)
+def test_an_async_handle_read_after_its_block_ended_says_so() -> None:
+    from ddpctx import distributed
+
+    with distributed() as ctx:
+        for _ in range(2):  # one site: its first call agrees at once, the second is steady
+            handle = ctx.all_reduce({"x": 1.0, "y": 1.0}, {"x": "sum", "y": "max"}, async_op=True)
+    with pytest.raises(RuntimeError, match=r"after its distributed\(\) block ended.*inside"):
+        handle.result()

@@ -146,10 +146,16 @@ def test_deterministic_flags_are_restored_after_an_exception() -> None:
 
 
 def test_sigterm_handler_is_installed_inside_and_restored_after() -> None:
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    with distributed():
-        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # As in a fresh process: the plugin installs its own handler in a pytest process while
+    # a pool of ranks lives (an earlier distributed test in the same worker), and
+    # distributed() leaves a handler it did not install alone.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with distributed():
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_wrap_gives_a_working_ddp_model_and_unwrap_the_module() -> None:
@@ -258,3 +264,50 @@ def test_sigterm_inside_the_block_exits_143_after_clean_up(tmp_path: Path) -> No
     assert result.returncode == 143, result.stderr
     assert "group alive after exit: False" in result.stdout
     assert "rank 0 received SIGTERM" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("earlier", ["clean", "caught error"])
+def test_entering_again_prints_an_error_with_one_rank_prefix(tmp_path: Path, earlier: str) -> None:
+    """torch prefixes uncaught errors with ``[rank0]: `` per formed group; blocks never stack it."""
+    script = tmp_path / "again.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from ddpctx import distributed
+            first = sys.excepthook
+            for attempt in range(3):
+                try:
+                    with distributed():
+                        if {earlier!r} == "caught error":
+                            raise KeyError(attempt)
+                except KeyError:
+                    pass
+            print("after clean blocks, the first hook:", sys.excepthook is first, flush=True)
+            with distributed():
+                raise ValueError("boom")
+            """
+        )
+    )
+    result = run_python(script, timeout=60, env=child_env())
+    assert result.returncode == 1, result.stderr
+    assert "[rank0]: ValueError: boom" in result.stderr
+    assert "[rank0]: [rank0]:" not in result.stderr, result.stderr
+    clean = earlier == "clean"
+    assert f"after clean blocks, the first hook: {clean}" in result.stdout
+
+
+@pytest.mark.slow
+def test_an_error_after_the_blocks_has_no_rank_prefix(tmp_path: Path) -> None:
+    script = tmp_path / "after.py"
+    script.write_text(
+        "from ddpctx import distributed\n"
+        "with distributed():\n    pass\n"
+        "with distributed():\n    pass\n"
+        "raise ValueError('after')\n"
+    )
+    result = run_python(script, timeout=60, env=child_env())
+    assert result.returncode == 1
+    assert "ValueError: after" in result.stderr
+    assert "[rank0]" not in result.stderr, result.stderr

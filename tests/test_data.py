@@ -110,8 +110,8 @@ def test_dataloader_refuses_what_it_cannot_shard() -> None:
             return iter(range(3))
 
     with distributed() as ctx:
-        with pytest.raises(TypeError, match="IterableDataset must shard itself"):
-            ctx.dataloader(Stream(), batch_size=2)
+        with pytest.raises(ValueError, match="nothing for a sampler to choose"):
+            ctx.dataloader(Stream(), batch_size=2, sampler=[0, 1])
         with pytest.raises(ValueError, match=r"got sampler=\.\.\.; it makes its own"):
             ctx.dataloader([1, 2], batch_size=1, sampler=[0, 1])
         with pytest.raises(ValueError, match=r"batch_size=0 must be a positive int"):

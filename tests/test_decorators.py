@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -153,3 +156,41 @@ def test_inside_distributed_every_form_works_with_one_rank() -> None:
             pass
         with pytest.raises(ValueError, match=r"src=1 is not a rank of this group; use 0\.\.0"):
             ctx.broadcast(1, src=1)
+
+
+def _generator() -> Iterator[int]:
+    yield 1
+
+
+async def _coroutine() -> int:
+    return 1
+
+
+async def _async_generator() -> AsyncIterator[int]:
+    yield 1
+
+
+@pytest.mark.parametrize(
+    ("func", "kind"),
+    [
+        (_generator, "a generator function"),
+        (_coroutine, "an async function"),
+        (_async_generator, "an async generator function"),
+        (functools.partial(_generator), "a generator function"),
+    ],
+)
+@pytest.mark.parametrize("option", ["barrier", "broadcast"])
+def test_rank_zero_only_with_a_wait_refuses_a_lazy_body_when_decorating(
+    func: Callable[..., Any], kind: str, option: str
+) -> None:
+    # Found by an outside user: with barrier=True on a generator, rank 1 returned before
+    # rank 0's body ran, and an exception there reached rank 0 only.
+    with pytest.raises(TypeError, match=f"rank_zero_only\\({option}=True\\) cannot wrap") as raised:
+        rank_zero_only(**{option: True})(func)
+    assert f"it is {kind}" in str(raised.value)
+    assert "_generator" in str(raised.value) or "_coroutine" in str(raised.value)
+    assert "Decorate a plain function" in str(raised.value)
+
+
+def test_plain_rank_zero_only_still_wraps_a_generator_function() -> None:
+    assert list(rank_zero_only(_generator)()) == [1]  # no wait: nothing to mislead

@@ -1,9 +1,11 @@
 """The documentation's examples run, so they cannot rot.
 
-Every ```python block of README.md and docs/*.md is executed in a fresh
-process (blocks marked ```python no-run are illustrations of code to avoid).
-The documentation site builds with ``mkdocs build --strict`` and its API
-reference covers every public name.
+Every ```python block of README.md and of every page under docs/ is executed
+in a fresh process (blocks marked ```python no-run are illustrations of code to
+avoid); a block followed at once by a ```text block must print that text, and
+a block of pytest tests must pass under pytest. The documentation site builds
+with ``mkdocs build --strict``, its API reference covers every public name and
+shows users none of the maintainers' notes, and the README stays a front page.
 """
 
 from __future__ import annotations
@@ -25,8 +27,17 @@ import pytest
 import ddpctx
 from tests.helpers import REPO, child_env, run_torchrun
 
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+PRINTS = re.compile(r"\n\n```text\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+GUIDES = [
+    *sorted((REPO / "docs" / "guides").glob("*.md")),
+    REPO / "docs" / "migrating-from-training-utils.md",
+]
+
+
+def name_of(document: Path) -> str:
+    return document.relative_to(REPO).as_posix()
 
 
 def python_blocks() -> list[tuple[str, str]]:
@@ -34,16 +45,95 @@ def python_blocks() -> list[tuple[str, str]]:
     for document in DOCUMENTS:
         text = document.read_text()
         for number, match in enumerate(BLOCK.finditer(text), start=1):
-            found.append((f"{document.name}#{number}", match.group(1)))
+            found.append((f"{name_of(document)}#{number}", match.group(1)))
+    return found
+
+
+def printed_outputs() -> dict[str, str]:
+    """Each example followed at once by a ```text block: what it must print."""
+    found = {}
+    for document in DOCUMENTS:
+        text = document.read_text()
+        for number, match in enumerate(BLOCK.finditer(text), start=1):
+            output = PRINTS.match(text, match.end())
+            if output is not None:
+                found[f"{name_of(document)}#{number}"] = output.group(1)
     return found
 
 
 BLOCKS = python_blocks()
+OUTPUTS = printed_outputs()
+
+
+def is_a_test_file(code: str) -> bool:
+    """A page's example of pytest tests: run by pytest, not as a script."""
+    return "@pytest.mark.distributed" in code
 
 
 def test_the_documents_have_examples() -> None:
     assert len(BLOCKS) >= 7
-    assert any("ddpctx.launch(" in code for where, code in BLOCKS if where.startswith("README"))
+    assert any(where.startswith("README") for where, _ in BLOCKS)
+    assert len(OUTPUTS) >= 3
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=name_of)
+def test_every_python_fence_is_one_the_tests_run(document: Path) -> None:
+    # An indented fence (inside a list) or another spelling (```py, ```pycon) would be
+    # shown on the page and never run: the examples must be top-level ```python blocks.
+    fences = re.findall(r"^([ \t]*)```[ \t]*(py\w*)(.*)$", document.read_text(), re.MULTILINE)
+    unrun = [f"{i}```{lang}{rest}" for i, lang, rest in fences if (i, lang) != ("", "python")]
+    unrun = [fence for fence in unrun if not fence.endswith("python no-run")]
+    assert unrun == [], f"{name_of(document)}: examples the tests would not run: {unrun}"
+
+
+def test_every_link_between_documents_works_in_the_repository_too() -> None:
+    # The site rewrites links to the top-level documents (scripts/mkdocs_hooks.py); read
+    # on the repository, each relative link must name a file that is there.
+    broken = []
+    for document in DOCUMENTS:
+        for link in re.findall(r"\]\(([^)\s]+)\)", document.read_text()):
+            elsewhere = re.match(r"^([a-z]+:|#)", link)  # another host, or this page
+            if not elsewhere and not (document.parent / link.split("#")[0]).exists():
+                broken.append(f"{name_of(document)}: {link}")
+    assert broken == []
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=name_of)
+def test_every_guide_starts_from_a_runnable_example(guide: Path) -> None:
+    # in its introduction or in its first section (a guide that names its files first)
+    text = guide.read_text()
+    opening = "\n## ".join(text.split("\n## ", 2)[:2])
+    assert "```python\n" in opening, f"{name_of(guide)} opens with no example"
+
+
+@pytest.mark.parametrize("where", [where for where, _ in BLOCKS])
+def test_python_examples_fit_the_page(where: str) -> None:
+    too_long = [line for line in dict(BLOCKS)[where].splitlines() if len(line) > 100]
+    assert too_long == [], f"{where}: lines over 100 characters: {too_long}"
+
+
+def test_the_readme_is_a_front_page() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, "move the detail into a guide under docs/guides/"
+    for guide in GUIDES:  # every guide is reachable from the front page
+        assert f"]({name_of(guide)}" in readme, f"the README does not link {name_of(guide)}"
+
+
+def test_the_readme_keeps_the_quickstart_commands_ci_runs() -> None:
+    readme = (REPO / "README.md").read_text().splitlines()
+    demo = 'python -m pip install torch==2.13.0 && python -m pip install -e ".[progress]" && '
+    demo += "torchrun --standalone --nproc_per_node=2 examples/train_forecaster.py --epochs 4 "
+    demo += "--out runs/forecaster"
+    tests = 'python -m pip install torch==2.13.0 && python -m pip install -e ".[test]" && '
+    tests += "python -m pytest -n 3 --dist loadscope"
+    assert demo in readme
+    assert tests in readme
+
+
+def test_the_readme_says_which_tests_need_the_docs_extra_and_how_to_run_all() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "Without the `docs` extra" in readme
+    assert 'python -m pip install -e ".[test,docs]" && python -m pytest' in readme
 
 
 def run_example(source: str, folder: Path) -> subprocess.CompletedProcess[str]:
@@ -70,20 +160,42 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
     code_of = dict(BLOCKS)
 
     @functools.cache
+    def run_code(code: str) -> subprocess.CompletedProcess[str]:
+        return run_example(code, tmp_path_factory.mktemp("example"))
+
     def run(where: str) -> subprocess.CompletedProcess[str]:
-        return run_example(code_of[where], tmp_path_factory.mktemp("example"))
+        return run_code(code_of[where])  # the same example on two pages runs once
 
     return run
 
 
-@pytest.mark.parametrize("where", [where for where, _ in BLOCKS])
+@pytest.mark.parametrize("where", [where for where, code in BLOCKS if not is_a_test_file(code)])
 @pytest.mark.slow
 def test_example_runs(where: str, examples: Callable[[str], Any]) -> None:
     result = examples(where)
     assert result.returncode == 0, f"{where} failed:\n{result.stderr[-3000:]}"
     code = dict(BLOCKS)[where]
-    if where.startswith("README") and "ddpctx.launch(" in code:  # the launch example prints
+    if "ddpctx.launch(lambda: ddpctx.current().rank * 10" in code:  # the launch example
         assert result.stdout == "[0, 10]\n"
+    if where in OUTPUTS:
+        assert result.stdout == OUTPUTS[where], f"{where} printed:\n{result.stdout}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", [where for where, code in BLOCKS if is_a_test_file(code)])
+def test_example_test_files_pass_under_pytest(where: str, tmp_path: Path) -> None:
+    (tmp_path / "example.py").write_text(dict(BLOCKS)[where])
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "example.py", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"\b\d+ passed\b", result.stdout)
+    assert "skipped" not in result.stdout
 
 
 @pytest.mark.slow
@@ -428,3 +540,170 @@ def test_literal_blocks_and_example_sections_become_code_on_the_site() -> None:
         "    >>> 1",
         "    1",
     ]
+
+
+def article_text(page: Path) -> str:
+    """What a reader sees in a built page's main column (no navigation), as text."""
+    import html
+
+    text = page.read_text()
+    article = text[text.index("<article") : text.index("</article>")]
+    return html.unescape(re.sub(r"<[^>]+>", "", article))
+
+
+def example_code(page: Path) -> list[str]:
+    """The code of every highlighted example on a built page, prompts removed."""
+    import html
+
+    blocks = re.findall(
+        r'<div class="language-(?:pycon|python) highlight">(.*?)</div>', page.read_text(), re.DOTALL
+    )
+    found = []
+    for block in blocks:
+        text = html.unescape(re.sub(r"<[^>]+>", "", block))
+        lines = text.splitlines()
+        if any(line.startswith(">>>") for line in lines):  # keep the input lines only
+            lines = [line[4:] for line in lines if line.startswith((">>>", "..."))]
+        found.append("\n".join(lines))
+    return found
+
+
+def names_used_but_not_defined(code: str) -> set[str]:
+    """Names an example reads that it neither imports nor assigns (nor are builtins)."""
+    import builtins
+
+    tree = ast.parse(code)
+    defined = set(dir(builtins)) | {
+        node.name for node in ast.walk(tree) if isinstance(node, ast.ExceptHandler) and node.name
+    }
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else defined).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    return used - defined
+
+
+MAINTAINERS_NOTES = ("DESIGN", "Layering:", "May import", "For maintainers")
+INTERNAL = [
+    p.parent.name for p in (REPO / "ddpctx").glob("*/__init__.py") if p.parent.name != "testing"
+]
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_no_api_page_shows_maintainers_notes_or_private_helpers(site: Path) -> None:
+    import builtins
+
+    public = set(ddpctx.__all__)
+    assert sum(len(example_code(page)) for page in (site / "api").glob("*.html")) >= 15
+    for page in sorted((site / "api").glob("*.html")):
+        text = article_text(page)
+        shown = [note for note in MAINTAINERS_NOTES if note in text]
+        assert shown == [], f"{page.name} shows maintainers' notes: {shown}"
+        modules = re.findall(rf"ddpctx\.(?:{'|'.join(INTERNAL)})\.\w+", text)
+        assert modules == [], f"{page.name} points readers at internal modules: {modules}"
+        bases = re.findall(r"Bases:\s*([\w, .]+)", text)
+        named = [name.strip() for listed in bases for name in listed.split(",")]
+        internal = [name for name in named if name not in public and name not in dir(builtins)]
+        assert internal == [], f"{page.name} names internal base classes: {internal}"
+        documented_here = {i.rsplit(".", 1)[-1] for i in Page(page).ids}  # its own entries
+        for code in example_code(page):
+            too_long = [line for line in code.splitlines() if len(line) > 100]
+            assert too_long == [], f"{page.name}: example lines over 100 characters: {too_long}"
+            try:
+                ast.parse(code)
+            except SyntaxError:  # an error message or a report shown as a block, not code
+                continue
+            assert not re.search(r"from ddpctx\.\w+\.\w+ import|\b_[a-z]\w*\(", code), (
+                f"{page.name}: an example reaches into ddpctx's internals:\n{code}"
+            )
+            unknown = names_used_but_not_defined(code) - public - documented_here
+            unknown -= {"ctx", "pytest", "torch"}
+            assert not unknown, f"{page.name}: an example uses {sorted(unknown)}:\n{code}"
+
+
+def distcontext_members() -> list[str]:
+    from ddpctx.session.distcontext import DistContext
+
+    return sorted(name for name in dir(DistContext) if not name.startswith("_"))
+
+
+@pytest.mark.slow  # builds the site: ~6 s alone, more under load
+def test_distcontext_is_one_class_with_every_member_under_a_topic(site: Path) -> None:
+    page = Page(site / "api" / "context.html")
+    text = article_text(site / "api" / "context.html")
+    assert "Bases:" not in text
+    attributes = {row[0].strip() for table in page.tables for row in table if row}
+    prefix = "ddpctx.session.distcontext.DistContext."
+    missing = [
+        name
+        for name in distcontext_members()
+        if prefix + name not in page.ids and name not in attributes
+    ]
+    assert missing == [], (
+        f"ctx.{missing[0]} is not on the DistContext page: add "
+        f"'::: {prefix}{missing[0]}' under its topic in docs/api/context.md"
+    )
+    source = (REPO / "docs" / "api" / "context.md").read_text()
+    assert "inherited_members" not in source  # the faces are not the reader's business
+
+
+def test_the_layout_page_maps_every_ctx_member_to_its_module() -> None:
+    from ddpctx.session.distcontext import DistContext
+
+    layout = (REPO / "docs" / "maintainers" / "layout.md").read_text()
+    for name in distcontext_members():
+        home = next(k for k in DistContext.__mro__ if name in vars(k)).__module__
+        if home == DistContext.__module__:
+            continue  # a fact of the run, listed on the API page
+        row = f"| `ctx.{name}` | `{home.replace('.', '/')}.py` |"
+        assert row in layout, f"docs/maintainers/layout.md has no row {row}"
+
+
+def test_the_layout_page_states_the_import_layers_the_tests_enforce() -> None:
+    from tests.test_layers import MAY_IMPORT
+
+    layout = (REPO / "docs" / "maintainers" / "layout.md").read_text()
+    for package, allowed in MAY_IMPORT.items():
+        rows = [line for line in layout.splitlines() if line.startswith(f"| `ddpctx/{package}/`")]
+        assert rows, f"docs/maintainers/layout.md has no row for ddpctx/{package}/"
+        listed = rows[0].rstrip(" |").rsplit("|", 1)[1].strip()
+        assert set(listed.split(", ")) - {"nothing"} == allowed, (package, listed)
+
+
+@pytest.mark.parametrize(
+    "package", sorted(p.parent.name for p in (REPO / "ddpctx").glob("*/__init__.py"))
+)
+def test_each_package_docstring_lists_its_modules(package: str) -> None:
+    folder = REPO / "ddpctx" / package
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    unlisted = [
+        m.stem
+        for m in sorted(folder.glob("*.py"))
+        if m.stem != "__init__" and f"ddpctx.{package}.{m.stem}`" not in doc
+    ]
+    assert unlisted == [], f"ddpctx/{package}/__init__.py does not list {unlisted}"
+
+
+def test_maintainers_notes_are_left_out_of_the_reference_and_kept_in_the_source() -> None:
+    pytest.importorskip("griffe", reason="pip install -r docs/requirements.txt")
+    spec = importlib.util.spec_from_file_location(
+        "griffe_docstrings", REPO / "scripts" / "griffe_docstrings.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import ddpctx.hang.watchdog
+    import ddpctx.testing
+
+    for source in (ddpctx.testing.__doc__ or "", ddpctx.hang.watchdog.__doc__ or ""):
+        assert "May import:" in source or "Layering:" in source
+        rendered = module.markdown_docstring(source)
+        assert not any(note in rendered for note in MAINTAINERS_NOTES), rendered[-500:]
+    assert "dist_ctx" in module.markdown_docstring(ddpctx.testing.__doc__ or "")

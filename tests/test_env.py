@@ -6,6 +6,8 @@ import re
 from datetime import timedelta
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ddpctx.utils.env import (
     DEFAULT_TIMEOUT,
@@ -293,3 +295,153 @@ def test_local_rank_beyond_visible_devices_is_refused() -> None:
     info = detect_launch({**TORCHRUN, "LOCAL_RANK": "1"})
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 but only 1 CUDA device.*'0'"):
         resolve_device_index(info, True, 1, "0")
+
+
+@pytest.mark.parametrize("name", ["SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST"])
+def test_an_unresolvable_first_host_of_the_node_list_names_the_node_list(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Rank 0's address came from SLURM's node list: the error names it, not MASTER_ADDR."""
+    from ddpctx import distributed
+
+    environ = {k: v for k, v in SLURM_STEP.items() if k != "SLURM_JOB_NODELIST"}
+    for key, value in {**environ, name: "node[01-02].invalid"}.items():
+        monkeypatch.setenv(key, value)
+    info = detect_launch({**environ, name: "node[01-02].invalid"})
+    assert (info.master_addr, info.master_addr_from) == (
+        "node01.invalid",
+        f"{name}='node[01-02].invalid'",
+    )
+    with pytest.raises(ValueError, match="does not resolve") as caught, distributed():
+        pass
+    message = str(caught.value)
+    assert f"the first host of {name}='node[01-02].invalid'" in message
+    assert "'node01.invalid'" in message
+    assert f"unset {name}" in message
+    assert "Set MASTER_ADDR" in message
+    assert "MASTER_ADDR='node01.invalid'" not in message  # MASTER_ADDR was never set
+
+
+def test_an_explicit_master_addr_under_slurm_is_named_as_master_addr() -> None:
+    info = detect_launch({**SLURM_STEP, "MASTER_ADDR": "host-a"})
+    assert (info.master_addr, info.master_addr_from) == ("host-a", "MASTER_ADDR")
+
+
+STALE = {"RANK": "0", "WORLD_SIZE": "1"}
+SLURM_TWO_TASKS = {**SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
+SLURM_TWO_TASKS.pop("SLURM_STEP_TASKS_PER_NODE")
+MPI_TWO = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "host-a"}
+
+
+@pytest.mark.parametrize(
+    ("other", "names"),
+    [
+        (SLURM_TWO_TASKS, "SLURM_PROCID='1' SLURM_NTASKS='2' (an srun step (SLURM))"),
+        (MPI_TWO, "OMPI_COMM_WORLD_RANK='1' OMPI_COMM_WORLD_SIZE='2' (Open MPI (mpirun))"),
+    ],
+    ids=["slurm", "mpi"],
+)
+def test_a_stale_rank_and_world_size_next_to_another_launch_is_an_error_naming_both(
+    other: dict[str, str], names: str
+) -> None:
+    with pytest.raises(ValueError, match="disagree with") as caught:
+        detect_launch({**other, **STALE})
+    message = str(caught.value)
+    assert "RANK='0' WORLD_SIZE='1' (env://" in message
+    assert names in message
+    assert "unset RANK WORLD_SIZE" in message
+    assert "MASTER_ADDR and MASTER_PORT too" in message
+
+
+@pytest.mark.parametrize("other", [SLURM_TWO_TASKS, MPI_TWO], ids=["slurm", "mpi"])
+def test_following_the_stale_variables_advice_to_make_them_agree_gives_a_launch(
+    other: dict[str, str],
+) -> None:
+    # The error offers two ways out; the second once led to another error, as agreeing env://
+    # variables need an address of their own (the merged-whole attack).
+    agreeing = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "host-a", "MASTER_PORT": "29500"}
+    info = detect_launch({**other, **agreeing})
+    assert (info.rank, info.world_size) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        pytest.param({**SLURM_STEP, **TORCHRUN}, id="torchrun-inside-srun"),
+        pytest.param(
+            {**SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_PROCID": "1", **TORCHRUN},
+            id="srun-one-torchrun-per-node",
+        ),
+        pytest.param(
+            {**SLURM_STEP, **STALE, "TORCHELASTIC_RUN_ID": "job"}, id="torchrun-world-1-in-srun"
+        ),
+        pytest.param(
+            {**SLURM_STEP, **TORCHRUN, "RANK": "5", "WORLD_SIZE": "8"}, id="copied-from-slurm"
+        ),
+        pytest.param(
+            {**SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "RANK": "3"}
+            | {"WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+            id="per-node-launcher-without-torchrun-markers",
+        ),
+        pytest.param(
+            {**SLURM_STEP, "RANK": "1", "WORLD_SIZE": "2", "DDPCTX_LAUNCHER": "launch"}
+            | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            id="ddpctx-launch-inside-srun",
+        ),
+        pytest.param(
+            {k: v for k, v in SLURM_STEP.items() if k != "SLURM_STEP_ID"} | STALE,
+            id="slurm-batch-script-without-srun",
+        ),
+        pytest.param({**MPI, **TORCHRUN, "RANK": "3", "WORLD_SIZE": "4"}, id="copied-from-mpi"),
+    ],
+)
+def test_launchers_that_really_combine_keep_working(environ: dict[str, str]) -> None:
+    info = detect_launch(environ)
+    assert (info.rank, info.world_size) == (int(environ["RANK"]), int(environ["WORLD_SIZE"]))
+
+
+def test_an_existing_group_is_described_whatever_stale_variables_say() -> None:
+    assert detect_launch({**SLURM_TWO_TASKS, **STALE}, rendezvous=False).world_size == 1
+
+
+@given(
+    nodes=st.integers(1, 16),
+    per_node=st.integers(1, 8),
+    data=st.data(),
+    markers=st.booleans(),
+    launcher=st.sampled_from(["slurm", "mpi"]),
+)
+def test_every_consistent_per_node_launch_is_accepted(
+    nodes: int, per_node: int, data: st.DataObject, markers: bool, launcher: str
+) -> None:
+    """srun/mpirun start one task per node, each a launcher of ``per_node`` env:// ranks."""
+    node = data.draw(st.integers(0, nodes - 1))
+    local = data.draw(st.integers(0, per_node - 1))
+    environ = {
+        "RANK": str(node * per_node + local),
+        "WORLD_SIZE": str(nodes * per_node),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    if markers:
+        environ["TORCHELASTIC_RUN_ID"] = "job"
+    if launcher == "slurm":
+        environ |= {"SLURM_PROCID": str(node), "SLURM_NTASKS": str(nodes), "SLURM_STEP_ID": "0"}
+    else:
+        environ |= {"OMPI_COMM_WORLD_RANK": str(node), "OMPI_COMM_WORLD_SIZE": str(nodes)}
+    assert detect_launch(environ).world_size == nodes * per_node
+
+
+@given(tasks=st.integers(2, 64), data=st.data(), launcher=st.sampled_from(["slurm", "mpi"]))
+def test_stale_single_process_variables_stop_every_task_of_a_larger_job(
+    tasks: int, data: st.DataObject, launcher: str
+) -> None:
+    task = data.draw(st.integers(0, tasks - 1))
+    if launcher == "slurm":
+        environ = {"SLURM_PROCID": str(task), "SLURM_NTASKS": str(tasks), "SLURM_STEP_ID": "0"}
+    else:
+        environ = {"OMPI_COMM_WORLD_RANK": str(task), "OMPI_COMM_WORLD_SIZE": str(tasks)}
+    with pytest.raises(ValueError, match="disagree with"):
+        detect_launch({**environ, **STALE})

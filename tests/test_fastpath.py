@@ -6,7 +6,8 @@ results bit for bit (a differential test against a fresh site, which always
 takes the general path), one collective per call, and every way a rank can
 leave the steady state -- other keys, another dtype, another shape, another
 leaf type, a failure, async handles -- still ends in the same clean error on
-every rank (DESIGN section 8), never a gloo abort or a silent wrong sum.
+every rank (a mismatch is a ``ReductionError`` on every rank, naming what
+differs on which rank), never a gloo abort or a silent wrong sum.
 """
 
 from __future__ import annotations
@@ -559,14 +560,17 @@ def test_a_float32_sum_past_float32s_range_comes_back_inf_on_every_rank() -> Non
 
 
 @pytest.mark.distributed(world_size=2, timeout=120)
-def test_a_small_float16_leafs_mean_is_taken_before_rounding_and_its_sum_overflows(
+def test_a_float16_leafs_mean_is_taken_before_rounding_and_its_sum_overflows(
     dist_ctx: DistContext,
 ) -> None:
-    # As the README says: a small leaf travels as float64, so its mean does not overflow
+    # As the README says: a float16 leaf travels as float64, so its mean does not overflow
     # where a sum-then-divide in float16 would; its sum, rounded back to float16, is inf.
     big = torch.tensor(60000.0, dtype=torch.float16)
     for _ in range(3):
         assert dist_ctx.all_reduce(big).item() == 60000.0
         assert dist_ctx.all_reduce(big, op="sum").item() == math.inf
-    large = torch.full((1024,), 60000.0, dtype=torch.float16)  # travels as float16
-    assert torch.isinf(dist_ctx.all_reduce(large)).all()
+    large = torch.full((1024,), 60000.0, dtype=torch.float16)  # float64 too, at any size
+    assert (dist_ctx.all_reduce(large) == 60000.0).all()
+    assert torch.isinf(dist_ctx.all_reduce(large, op="sum")).all()
+    big = torch.full((1024,), 3e38, dtype=torch.float32)  # a large float32 leaf: float32
+    assert torch.isinf(dist_ctx.all_reduce(big)).all()  # sum then divide, as torch does

@@ -723,24 +723,24 @@ def test_a_rank_that_could_not_run_and_then_answered_is_named_not_the_collective
     )
 
 
-# --- the example that hangs on purpose, and the README's copy of its report ---------------
+# --- the example that hangs on purpose, and the guide's copy of its report ----------------
 
 
 @pytest.mark.slow  # a torchrun job or a real hang timeout
-def test_the_hang_example_reports_what_the_readme_shows_and_ends_the_job() -> None:
+def test_the_hang_example_reports_what_the_guide_shows_and_ends_the_job() -> None:
     result = run_torchrun(REPO / "examples" / "hang.py", nproc=2, timeout=150)
     assert result.returncode != 0
     produced = report_of(result.stderr.split("[rank")[0])
-    readme = (REPO / "README.md").read_text()
-    shown = readme.split("```text\nddpctx hang report:", 1)[1].split("```", 1)[0]
+    guide = (REPO / "docs" / "guides" / "hang-doctor.md").read_text()
+    shown = guide.split("```text\nddpctx hang report:", 1)[1].split("```", 1)[0]
     shown_lines = ("ddpctx hang report:" + shown).splitlines()
 
     def without_seconds(lines: list[str]) -> list[str]:
         return [re.sub(r"\d+ s\b", "N s", line) for line in lines]
 
-    # The whole report, as the README says ("verbatim"), up to the seconds waited (the
+    # The whole report, as the guide says ("verbatim"), up to the seconds waited (the
     # merged-whole attack found its folded-frames line two stops out of date).
-    # (rank 1's line on leaving, printed after the report, is not in the README's copy)
+    # (rank 1's line on leaving, printed after the report, is not in the guide's copy)
     assert without_seconds(produced[: len(shown_lines)]) == without_seconds(shown_lines)
     assert "diagnosis: ranks are in different collectives" in produced[3]
     # torchrun's summary names the root cause (its whole output shown if it does not)

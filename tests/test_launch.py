@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -17,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 import ddpctx
 from ddpctx import RankError, RankTimeoutError, launch
+from ddpctx.session.departures import departure_note
 from tests.helpers import (
     REPO,
     child_env,
@@ -222,9 +226,46 @@ def test_a_collective_on_one_rank_only_names_the_rank_that_had_finished() -> Non
         launch(reduce_on_rank_zero_only, world_size=2)
     assert raised.value.rank == 0
     assert raised.value.hint.startswith(
-        "rank 1 had already finished while rank 0 was waiting in a collective"
+        "rank 1 had already left distributed() (finished its block) after 0 collective(s), "
+        "while rank 0 waited in its collective #1: a collective was issued on some ranks only"
     ), raised.value.hint
     assert raised.value.hint in str(raised.value)
+
+
+def reduce_different_sizes() -> list[float]:
+    tensor = torch.ones(2 if ddpctx.current().rank == 0 else 3)
+    dist.all_reduce(tensor)  # gloo: garbage on rank 0, which returns; rank 1 loses its peer
+    return tensor.tolist()
+
+
+def test_a_size_mismatch_is_named_as_calls_that_did_not_match_not_as_a_missing_collective() -> None:
+    with pytest.raises(RankError) as raised:
+        launch(reduce_different_sizes, world_size=2)
+    hint = raised.value.hint
+    assert raised.value.rank == 1, str(raised.value)
+    assert hint.startswith("rank 0 entered collective #1 too and then left distributed()"), hint
+    assert "the ranks' calls did not match" in hint
+    assert "tensors of different shapes or dtypes" in hint
+    assert "some ranks only" not in hint
+    assert hint in str(raised.value)
+
+
+@given(
+    entered=st.one_of(st.none(), st.integers(1, 50)),
+    left=st.dictionaries(st.integers(1, 7), st.one_of(st.none(), st.integers(0, 60)), max_size=4),
+)
+def test_the_departure_note_blames_a_missing_collective_only_when_every_peer_left_before_it(
+    entered: int | None, left: dict[int, int | None]
+) -> None:
+    note = departure_note(0, entered, left)
+    if not left:
+        assert note == ""
+        return
+    assert note.startswith("ddpctx: ")
+    known = entered is not None and all(count is not None for count in left.values())
+    before = known and all(count is not None and count < entered for count in left.values())
+    assert ("issued on some ranks only" in note) == (before or not known)
+    assert ("did not match" in note) == (not before)
 
 
 def test_a_rank_that_fails_on_its_own_gets_no_hint_about_finished_peers() -> None:
@@ -595,3 +636,47 @@ def test_every_group_handed_to_the_reaper_is_freed_once_it_drains() -> None:
         reaper.drop(Group(index))
     reaper.drain()
     assert sorted(freed) == list(range(10))
+
+
+@pytest.mark.slow
+def test_sigkill_to_the_caller_leaves_no_process_a_rank_started(
+    tmp_path: Path, child_tmp: Path
+) -> None:
+    # The ranks die with their parent (PR_SET_PDEATHSIG); what they started (a DataLoader
+    # worker, a test's subprocess) is in the rank's process group, ended by its watcher.
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, subprocess, time, ddpctx
+
+            def start_a_child():
+                child = subprocess.Popen(["sleep", "600"])
+                open(os.path.join({str(tmp_path)!r}, f"pid{{child.pid}}"), "w").close()
+                time.sleep(600)
+
+            if __name__ == "__main__":
+                ddpctx.launch(start_a_child, world_size=2)
+            """
+        )
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=child_env(TMPDIR=str(child_tmp)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children: list[int] = []
+    try:
+        children = [int(p.name[3:]) for p in wait_for_files(tmp_path, "pid*", 2)]
+        parent.kill()
+        parent.wait(timeout=patience(30))
+        deadline = time.monotonic() + patience(20)
+        while still_running(children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert still_running(children) == [], "a rank's subprocess outlived a SIGKILLed caller"
+    finally:
+        parent.kill()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +25,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "reduce": {"utils"},
     "data": {"utils"},
     "hang": {"utils"},
+    "watch": {"utils", "reduce", "hang"},
     "rankzero": {"utils", "reduce"},
     "parallel": {"utils", "data"},
     "checkpoint": {"utils", "reduce", "rankzero", "data", "parallel"},
-    "session": {"utils", "reduce", "rankzero", "data", "parallel", "checkpoint", "hang"},
+    "session": {"utils", "reduce", "rankzero", "data", "parallel", "checkpoint", "hang", "watch"},
     "launching": {"utils", "session"},
     "testing": {"utils", "session", "launching"},
-    "cli": {"utils", "reduce", "rankzero", "hang", "session", "launching"},
+    "cli": {"utils", "reduce", "rankzero", "hang", "checkpoint", "session", "launching"},
 }
 
 #: Modules allowed past ~400 lines; each says why in its docstring.
@@ -118,35 +120,99 @@ def test_a_long_module_says_why_it_is_long() -> None:
     )
 
 
-OLD_PATHS = [
-    ("ddpctx.context", "distributed"),
-    ("ddpctx.context", "DistContext"),
-    ("ddpctx.decorators", "rank_zero_only"),
-    ("ddpctx.launcher", "launch"),
-]
+#: Every module path of the flat layout before the move into subpackages, each public name
+#: it had (defined there, or listed in its ``__all__``) and that name's home now; and the
+#: names later commits removed on purpose, with what replaced them. Generated from git by
+#: :func:`names_before_the_move` (``test_the_moved_names_are_those_git_has``).
+MOVED = json.loads((Path(__file__).parent / "moved_names.json").read_text())
+#: The commit that moved the flat modules into subpackages.
+LAYOUT_MOVE = "62e5683"
+OLD_PATHS = [(old, name) for old, names in sorted(MOVED["moved"].items()) for name in names]
 
-#: Imports each old path as a fresh module (its module-level shim runs again) and prints,
-#: per path, the warnings that import raised and the imported object's module.
+#: Imports each old path as a fresh module (its module-level shim runs again), then each
+#: of its names, and prints per name the warnings they raised, the imported object's
+#: module and whether it is the very object of its new home.
 IMPORT_EACH_OLD_PATH = """
 import importlib, json, sys, warnings
 found = {}
-for old, name in OLD_PATHS:
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        value = getattr(importlib.import_module(old), name)
-    found[f"{old}.{name}"] = {
-        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
-        "module": getattr(value, "__module__", ""),
-    }
+for old, names in MOVED.items():
+    for name, home in names.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                value = getattr(importlib.import_module(old), name)
+            except (ImportError, AttributeError) as error:
+                found[f"{old}.{name}"] = {"error": repr(error)}
+                continue
+        found[f"{old}.{name}"] = {
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+            "module": getattr(value, "__module__", ""),
+            "same": value is getattr(importlib.import_module(home), name),
+        }
 print(json.dumps(found))
 """
+
+
+def names_before_the_move() -> dict[str, dict[str, str]]:
+    """Per old module path, its public names, read from the tree before the layout move."""
+    git = ["git", "-C", str(REPO)]
+    listing = subprocess.run(
+        [*git, "ls-tree", "--name-only", f"{LAYOUT_MOVE}^", "ddpctx/"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    found = {}
+    for path in listing:
+        if not path.endswith(".py") or path.endswith(("__init__.py", "__main__.py")):
+            continue
+        source = subprocess.run(
+            [*git, "show", f"{LAYOUT_MOVE}^:{path}"], capture_output=True, text=True, check=True
+        ).stdout
+        found[path.removesuffix(".py").replace("/", ".")] = sorted(public_names(source))
+    return found
+
+
+def public_names(source: str) -> set[str]:
+    """A module's public names: defined at its top (type variables aside), or in ``__all__``."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            targets = {target.id for target in node.targets if isinstance(target, ast.Name)}
+            if targets == {"__all__"}:
+                names |= set(ast.literal_eval(node.value))
+            elif not (
+                isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", "") in ("TypeVar", "ParamSpec")
+            ):
+                names |= targets
+    return {name for name in names if not name.startswith("_")}
+
+
+@pytest.mark.slow
+def test_the_moved_names_are_those_git_has() -> None:
+    """The committed list is complete: every old module and name, moved or removed on purpose."""
+    try:
+        before = names_before_the_move()
+    except subprocess.CalledProcessError:
+        pytest.skip(f"no git history with the layout move ({LAYOUT_MOVE}) in this checkout")
+    unmoved = {"ddpctx.cli", "ddpctx.compat"}  # the same path today (cli is a package of it)
+    listed = {
+        old: sorted({*MOVED["moved"].get(old, {}), *MOVED["removed"].get(old, {})})
+        for old in {*MOVED["moved"], *MOVED["removed"]}
+    }
+    assert listed == {old: names for old, names in before.items() if old not in unmoved}
 
 
 @pytest.fixture(scope="module")
 def old_imports() -> dict[str, dict[str, Any]]:
     """What importing each old path did, in one interpreter (each costs a torch import)."""
-    code = f"OLD_PATHS = {OLD_PATHS!r}\n{IMPORT_EACH_OLD_PATH}"
+    code = f"MOVED = {MOVED['moved']!r}\n{IMPORT_EACH_OLD_PATH}"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     found: dict[str, dict[str, Any]] = json.loads(result.stdout)
@@ -159,11 +225,24 @@ def test_an_old_module_path_still_imports_with_a_deprecation_warning(
     old_imports: dict[str, dict[str, Any]], old: str, name: str
 ) -> None:
     found = old_imports[f"{old}.{name}"]
+    assert "error" not in found, found
     deprecations = [text for text in found["warnings"] if text.startswith("DeprecationWarning")]
     assert len(deprecations) == 1, found
-    assert "moved to ddpctx." in deprecations[0]
-    assert "from ddpctx import" in deprecations[0]
-    assert found["module"].startswith("ddpctx."), found  # the object itself, from its new home
+    home = MOVED["moved"][old][name]
+    assert home in deprecations[0], deprecations  # where to import it from now
+    assert re.search(rf"\b{name}\b", deprecations[0]) or "import it from" in deprecations[0]
+    assert found["same"], found  # the object itself, from its new home
+
+
+@pytest.mark.parametrize(
+    ("old", "name"), [("ddpctx.context", "distributed"), ("ddpctx.rankzero", "RankZeroError")]
+)
+@pytest.mark.slow
+def test_a_public_name_at_an_old_path_says_to_import_it_from_ddpctx(
+    old_imports: dict[str, dict[str, Any]], old: str, name: str
+) -> None:
+    (warning,) = old_imports[f"{old}.{name}"]["warnings"]
+    assert "from ddpctx import" in warning, warning
 
 
 @pytest.mark.slow

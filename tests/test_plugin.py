@@ -10,11 +10,14 @@ session. Cases whose options change the whole session (``-s``, ``-n 2``,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from collections.abc import Callable
@@ -24,7 +27,7 @@ from typing import TypeVar
 
 import pytest
 
-from tests.helpers import child_env, patience
+from tests.helpers import child_env, patience, signals_as_at_a_terminal
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -251,7 +254,7 @@ CASES: dict[str, str] = {
             pass
         """,
     "test_state_leaks": """
-        import os, random, pytest, torch
+        import os, random, sys, pytest, torch
 
         START = FOLDER
 
@@ -263,6 +266,17 @@ CASES: dict[str, str] = {
             os.chdir(tmp_path)
             torch.set_default_dtype(torch.float64)
             torch.use_deterministic_algorithms(True)
+            torch.set_grad_enabled(False)
+            torch.device("meta").__enter__()  # a device context never left, under
+            torch.set_default_device("meta")  # the default device, with another over it
+            torch.device("meta").__enter__()
+            sys.path.insert(0, "/leaked/by/test_1")
+            sys.excepthook = print
+            torch.set_num_threads(3)
+            torch.set_anomaly_enabled(True)
+            torch.set_float32_matmul_precision("medium")
+            torch.backends.cudnn.enabled = False
+            torch.backends.cuda.matmul.allow_tf32 = True
 
         @pytest.mark.distributed(world_size=2)
         def test_2_sees_a_clean_rank(dist_ctx):
@@ -272,6 +286,16 @@ CASES: dict[str, str] = {
             assert os.getcwd() == START, "cwd leaked from the previous test"
             assert torch.get_default_dtype() == torch.float32
             assert not torch.are_deterministic_algorithms_enabled()
+            assert torch.is_grad_enabled()
+            assert torch.zeros(1).device == torch.device("cpu")
+            assert torch._C._len_torch_function_stack() == 0
+            assert "/leaked/by/test_1" not in sys.path
+            assert sys.excepthook is not print
+            assert torch.get_num_threads() == 1  # the rank's own: one intra-op thread
+            assert not torch.is_anomaly_enabled()
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cudnn.enabled
+            assert not torch.backends.cuda.matmul.allow_tf32
 
         def draw(rank):
             return repr([random.random(), torch.rand(1).item()])
@@ -513,7 +537,8 @@ def test_a_failure_report_opens_with_the_users_error_not_the_peers_transport_err
 def test_a_collective_on_one_rank_only_is_named_not_blamed_on_a_crash(shared: Session) -> None:
     shared.assert_outcomes("test_one_rank_only", failed=1)
     failure = " ".join(shared.section("test_reduces_on_rank_0_only").split())
-    assert "rank 1 had already finished while rank 0 was waiting in a collective" in failure
+    assert "rank 1 had already left distributed() (finished its block)" in failure
+    assert "a collective was issued on some ranks only" in failure
     assert "ctx.any(flag)" in failure
 
 
@@ -732,9 +757,9 @@ def test_a_short_pytest_timeout_option_still_shows_the_ranks_stacks(
     result.stdout.fnmatch_lines(["*did not finish within 4 s*", "*--- rank 0 ---*"] * 2)
 
 
-def test_the_readme_states_the_default_marker_timeout_and_what_travels() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("pytest plugin") :]
+def test_the_testing_guide_states_the_default_marker_timeout_and_what_travels() -> None:
+    guide = Path(__file__).resolve().parent.parent / "docs" / "guides" / "testing.md"
+    section = guide.read_text()
     for phrase in ("60 s", "isolated=True", "init=False", "dist_world_size", "module globals"):
         assert phrase in section, phrase
 
@@ -767,3 +792,71 @@ def test_pytest_timeouts_backstop_for_a_test_with_ranks_is_stretched_with_the_lo
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
         assert plugin.pytest_timeout_set_timer(item, Settings(4.0, "signal")) is True  # type: ignore[arg-type]
         assert given[-1] == 4.0 + options.REPORT_GRACE_S * stretch
+
+
+#: A test whose ranks each start a subprocess, then wait; ``{options}`` go to the marker.
+STARTS_CHILDREN = """
+    import os, subprocess, sys, time, pytest
+
+    @pytest.mark.distributed(world_size=2, timeout=300{options})
+    def test_starts_a_child_and_waits(dist_ctx):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        with open(os.path.join({folder!r}, f"rank{{dist_ctx.rank}}"), "w") as handle:
+            handle.write(f"{{os.getpid()}} {{child.pid}}")
+        time.sleep(300)
+    """
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by PID 1, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signum", "options"),
+    [(signal.SIGTERM, ""), (signal.SIGHUP, ", isolated=True")],
+    ids=["sigterm-warm-pool", "sighup-isolated"],
+)
+def test_a_signal_to_pytest_stops_the_ranks_and_what_they_started(
+    tmp_path: Path, signum: signal.Signals, options: str
+) -> None:
+    """Before: the ranks died with pytest, and their children ran on under PID 1."""
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    source = textwrap.dedent(STARTS_CHILDREN.format(options=options, folder=str(folder)))
+    (tmp_path / "test_children.py").write_text(source)
+    session = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_children.py"],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=signals_as_at_a_terminal,
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + patience(120)
+        while len(list(folder.iterdir())) < 2 and time.monotonic() < deadline:
+            assert session.poll() is None, session.communicate()[0]
+            time.sleep(0.2)
+        for record in folder.iterdir():
+            pids.extend(int(pid) for pid in record.read_text().split())
+        assert len(pids) == 4, "the ranks did not start their children in time"
+        session.send_signal(signum)
+        output, _ = session.communicate(timeout=patience(60))
+        assert session.returncode == -signum, output  # pytest still ends by the signal
+        deadline = time.monotonic() + patience(10)
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in pids if alive(pid)] == [], "left running after pytest ended"
+    finally:
+        session.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -263,6 +263,28 @@ def test_a_follow_on_is_dated_after_the_failure_that_caused_it(tmp_path: Path) -
     assert int(read_record(follow_on)["extraInfo"]["timestamp"]) > own_time
 
 
+def test_an_error_file_write_stopped_halfway_leaves_no_half_written_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchrun's agent json-loads the error file of every rank that exited non-zero and
+    # crashed (ending a --max-restarts job) on an empty one, left by a rank its SIGTERM
+    # stopped in the middle of this write (seen in a 3-rank SIGKILL-and-resume run).
+    error_file = tmp_path / "error.json"
+
+    def stopped_halfway(data: object, handle: Any) -> None:
+        handle.write('{"message": ')
+        raise SystemExit(143)  # as ddpctx's SIGTERM handler raises
+
+    monkeypatch.setattr(json, "dump", stopped_halfway)
+    with pytest.raises(SystemExit):
+        record_for_torchrun(OSError("disk full"), {"TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its partial copy
+    monkeypatch.undo()
+    record_for_torchrun(OSError("disk full"), {"TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert "disk full" in read_record(error_file)["message"]
+    assert list(tmp_path.iterdir()) == [error_file]
+
+
 @pytest.mark.parametrize(
     ("raise_it", "expected"),
     [
@@ -292,3 +314,26 @@ def test_a_successful_exit_writes_no_error_file(
         sys.exit(code)
     assert not error_file.exists()
     assert not should_record(SystemExit(code))
+
+
+class Lines:
+    """A callable that returns a generator without being a generator function."""
+
+    __qualname__ = "Lines"
+
+    def __call__(self) -> Any:
+        return (line for line in ["a", "b"])
+
+
+@RANKS
+@pytest.mark.parametrize("option", ["barrier", "broadcast"])
+def test_a_callable_returning_a_generator_with_a_wait_is_refused_on_every_rank(
+    dist_ctx: DistContext, option: str
+) -> None:
+    # Not a generator function, so not refused when decorating: rank 0's call is refused,
+    # and the others hear of it instead of going on before rank 0's body ran.
+    wrapped = rank_zero_only(**{option: True})(Lines())
+    expected = TypeError if dist_ctx.rank == 0 else RankZeroError
+    error = raises_everywhere(wrapped, expected)
+    assert "a function that returned a generator" in str(error)
+    assert dist_ctx.all_reduce(1.0, op="sum") == float(dist_ctx.world_size)

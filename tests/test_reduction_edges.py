@@ -277,3 +277,39 @@ def test_booleans_sum_to_counts_and_keep_bool_under_max_min_prod(dist_ctx: DistC
     assert product.tolist() == every.all(axis=0).tolist()
     mean = dist_ctx.all_reduce(tensor, op="mean")
     assert mean.tolist() == pytest.approx(every.mean(axis=0).tolist())
+
+
+@pytest.mark.parametrize(
+    "count",
+    [-3, -0.5, math.nan, math.inf, torch.tensor(-2), np.int64(-1)],
+    ids=["int", "float", "nan", "inf", "tensor", "numpy"],
+)
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.distributed(world_size=[2, 3], timeout=60)
+def test_a_negative_or_non_finite_count_on_one_rank_is_an_error_on_every_rank(
+    dist_ctx: DistContext, count: Any, async_op: bool
+) -> None:
+    # Found by an outside user: a negative count was accepted, and the weighted mean
+    # came back as a number on every rank (the counts partly cancelling).
+    bad_rank = dist_ctx.world_size - 1
+
+    def reduce_once() -> None:
+        mine = {"loss": 1.0 + dist_ctx.rank, "count": count if dist_ctx.rank == bad_rank else 5}
+        outcome = dist_ctx.all_reduce(mine, weight="count", async_op=async_op)
+        if async_op:
+            outcome.result()
+
+    for _ in range(2):  # a fresh site, then one that agreed on the structure before
+        started = time.monotonic()
+        with pytest.raises((ValueError, ReductionError)) as raised:
+            reduce_once()
+        assert time.monotonic() - started < patience(FAST)
+        if dist_ctx.rank == bad_rank:
+            assert type(raised.value) is ValueError
+        else:
+            assert isinstance(raised.value, ReductionError)
+            assert f"rank {bad_rank}" in str(raised.value)
+        assert "['count']" in str(raised.value)
+        assert "must be a finite number >= 0" in str(raised.value)
+    ok = dist_ctx.all_reduce({"loss": 2.0, "count": 0 if dist_ctx.rank else 4}, weight="count")
+    assert ok == {"loss": 2.0, "count": 4}  # zero stays allowed; the ranks are in step

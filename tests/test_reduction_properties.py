@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -204,5 +205,95 @@ def test_reductions_match_the_exact_reference(dist_ctx: DistContext) -> None:
                 problems.append(f"{leaf['name']}: came back as {type(result[leaf['name']])}")
         agreed = dist_ctx.all_gather(problems)
         assert not any(agreed), agreed
+
+    check()
+
+
+# Large leaves next to torch's own all_reduce, at 3 ranks -------------------------------------
+
+WIDE_EPS = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+
+
+def nearest(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 values rounded once to ``dtype`` (to nearest, ties to even), element by element.
+
+    torch's own conversion rounds through float32 and may be one ulp off; the right
+    answer is that guess or a neighbour, whichever is nearest (the even one on a tie).
+    """
+    guess = exact.to(dtype)
+    up = torch.nextafter(guess, torch.full_like(guess, math.inf))
+    down = torch.nextafter(guess, torch.full_like(guess, -math.inf))
+    candidates = torch.stack([down, guess, up])
+    distance = (candidates.to(torch.float64) - exact).abs()
+    odd = candidates.view(torch.int16) & 1
+    farther = distance > distance.min(dim=0).values
+    best = (farther.to(torch.int16) * 2 + odd).argmin(dim=0)  # a tie goes to the even one
+    return candidates.gather(0, best.unsqueeze(0)).squeeze(0)
+
+
+@st.composite
+def large_leaves(draw: st.DrawFn) -> dict[str, Any]:
+    """A large leaf (its dtype, length, place in the buffer, value spread) and a seed."""
+    dtype = draw(st.sampled_from(["bfloat16", "float16", "float32", "float64"]))
+    return {
+        "dtype": dtype,
+        "length": draw(st.integers(1024, 5000)),  # across gloo's chunk boundaries
+        "before": draw(st.integers(0, 3)),  # small leaves before it shift where it lies
+        "spread": draw(st.integers(0, 10 if dtype == "float16" else 20)),
+        "op": draw(st.sampled_from(["sum", "mean"])),
+        "seed": draw(st.integers(0, 2**30)),
+    }
+
+
+@pytest.mark.distributed(world_size=3, timeout=240)
+def test_large_leaves_are_summed_as_the_readme_promises_next_to_torchs_all_reduce(
+    dist_ctx: DistContext,
+) -> None:
+    """float16/bfloat16: the exact sum rounded once (torch's own all_reduce rounds every
+    partial sum: at 3 ranks, a bfloat16 200.0 where the exact sum is 200.75). float32 and
+    float64: within ``(ranks - 1) * u * sum(|x|)`` of the exact sum, as torch's own."""
+    n, rank = dist_ctx.world_size, dist_ctx.rank
+
+    @settings(SETTINGS, max_examples=40)
+    @given(case=large_leaves())
+    def check(case: dict[str, Any]) -> None:
+        dtype = getattr(torch, case["dtype"])
+        generator = torch.Generator().manual_seed(case["seed"] * 8 + rank)
+        scale = 2.0 ** torch.randint(-case["spread"], case["spread"] + 1, (case["length"],))
+        mine = (torch.randn(case["length"], generator=generator, dtype=torch.float64) * scale).to(
+            dtype
+        )
+        result = {f"s{i}": float(i) for i in range(case["before"])} | {"x": mine}
+        ours = dist_ctx.all_reduce(result, op=case["op"])["x"]
+        torchs = mine.clone()
+        dist.all_reduce(torchs)
+        everyone = torch.stack(dist_ctx.all_gather(mine)).to(torch.float64)
+        exact = torch.tensor(  # the float64 nearest the exact sum (exact itself for halves)
+            [math.fsum(column) for column in everyone.T.tolist()], dtype=torch.float64
+        )
+        problems = []
+        if ours.dtype != dtype:
+            problems.append(f"came back as {ours.dtype}")
+        elif dtype in (torch.float16, torch.bfloat16):
+            want = nearest(exact if case["op"] == "sum" else exact / n, dtype)
+            if not torch.equal(ours, want):
+                index = int((ours != want).nonzero()[0])
+                problems.append(f"[{index}]: {ours[index]} for the rounded {want[index]}")
+            if case["op"] == "sum":  # never further from the exact sum than torch's
+                ours_off = (ours.to(torch.float64) - exact).abs()
+                if bool((ours_off > (torchs.to(torch.float64) - exact).abs()).any()):
+                    problems.append("further from the exact sum than torch's all_reduce")
+        else:
+            bound = (n - 1) * WIDE_EPS[dtype] * everyone.abs().sum(dim=0) * (1 + 2.0**-20)
+            divisor = 1 if case["op"] == "sum" else n
+            if case["op"] == "mean":  # one more rounding, of the quotient
+                bound = bound / n + WIDE_EPS[dtype] * (exact / n).abs()
+            for name, got in (("ours", ours), ("torch's", torchs / divisor)):
+                off = (got.to(torch.float64) - exact / divisor).abs()
+                if bool((off > bound).any()):
+                    index = int((off > bound).nonzero()[0])
+                    problems.append(f"{name} [{index}] is {off[index]} off (bound {bound[index]})")
+        agreed = dist_ctx.all_gather(problems)
+        assert not any(agreed), (case, agreed)
 
     check()

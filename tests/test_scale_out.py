@@ -182,3 +182,36 @@ def test_open_mpi_variables_form_a_group(tmp_path: Path, address: str) -> None:
     assert [r["launcher"] for r in found] == ["mpi"] * 3
     assert [r["sum"] for r in found] == [6.0] * 3
     assert all(is_loopback(a) for r in found for a in r["listening"])
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "mpi"])
+def test_a_stale_rank_0_of_1_next_to_a_two_task_launch_stops_every_task(
+    tmp_path: Path, launcher: str
+) -> None:
+    """Before: both tasks ran as rank 0 of 1, each training alone and writing rank 0's files."""
+    port = str(free_port())
+    stale = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    own = {
+        "slurm": lambda rank: {
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_STEP_ID": "0",
+            "SLURM_LOCALID": str(rank),
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_JOB_ID": "41234",
+        },
+        "mpi": lambda rank: {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2"},
+    }[launcher]
+    tasks = [start({**stale, **own(rank)}, tmp_path) for rank in range(2)]
+    try:
+        results = [task.communicate(timeout=120) for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+    rank_name = {"slurm": "SLURM_PROCID", "mpi": "OMPI_COMM_WORLD_RANK"}[launcher]
+    for rank, (task, (_, err)) in enumerate(zip(tasks, results, strict=True)):
+        assert task.returncode != 0, f"task {rank} ran as rank 0 of 1"
+        assert "RANK='0' WORLD_SIZE='1' (env://" in err, err[-2000:]
+        assert f"{rank_name}='{rank}'" in err
+        assert "unset RANK WORLD_SIZE" in err
+    assert not (tmp_path / "rank0.json").exists()

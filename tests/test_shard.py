@@ -262,3 +262,59 @@ def test_bf16_mixed_blocks_pass_bf16_on_and_only_the_root_returns_float32() -> N
         output = model(torch.ones(4, 6))
         assert seen == [torch.bfloat16] * 3  # no float32 round trip between blocks
         assert output.dtype == torch.float32
+
+
+class TiedLM(nn.Module):
+    """GPT-2's shape in small: the output layer shares the input embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(300, 16)
+        self.h = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.lm_head = nn.Linear(16, 300, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for layer in self.h:
+            x = x + layer(x)
+        return self.lm_head(x)
+
+
+def test_the_default_blocks_leave_tied_parameters_to_their_common_parent() -> None:
+    from ddpctx.parallel.sharding import default_blocks
+
+    model = TiedLM()
+    chosen = default_blocks(model, min_params=1000)  # the embedding alone would qualify
+    assert model.wte not in chosen
+    assert model.lm_head not in chosen
+    assert all(any(block is layer for layer in model.h) for block in chosen)
+
+
+@pytest.mark.distributed(world_size=2, timeout=90)
+def test_a_tied_embedding_shards_by_default_and_stays_tied(dist_ctx: DistContext) -> None:
+    model = dist_ctx.shard(TiedLM(), min_params=1000)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randint(0, 300, (4, 5))).logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert model.wte.weight is model.lm_head.weight
+    full = dist_ctx.full_state_dict(model)
+    if dist_ctx.rank == 0:
+        torch.testing.assert_close(full["wte.weight"], full["lm_head.weight"], rtol=0, atol=0)
+        assert not torch.equal(full["wte.weight"], TiedLM().wte.weight)  # it trained
+
+
+@pytest.mark.distributed(world_size=2, timeout=90)
+def test_blocks_naming_a_tied_module_is_refused_naming_it_and_the_fix(
+    dist_ctx: DistContext,
+) -> None:
+    with pytest.raises(ValueError, match=r"'wte'.*'weight' is tied.*Leave this module out"):
+        dist_ctx.shard(TiedLM(), blocks=[nn.Embedding])
+
+
+@pytest.mark.distributed(world_size=2, timeout=90)
+def test_wrapping_a_sharded_model_is_refused_naming_both_ways(dist_ctx: DistContext) -> None:
+    model = dist_ctx.shard(tiny_model(), blocks=[nn.Linear])
+    with pytest.raises(ValueError, match=r"sharded model \(fsdp2.*ctx\.wrap.*ctx\.shard"):
+        dist_ctx.wrap(model)

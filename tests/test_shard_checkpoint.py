@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from ddpctx import DistContext, RankError, current
 from ddpctx.checkpoint import sharded
 from ddpctx.utils.atomic import _HOST
+from tests.helpers import checkpoint_names
 
 
 def context() -> DistContext:
@@ -250,8 +251,9 @@ def test_keep_prunes_older_sharded_checkpoints(dist_ctx: DistContext, tmp_path: 
     dist_ctx.barrier()
     paths = [dist_ctx.save_checkpoint(tmp_path, model=model, keep=2, epoch=e) for e in range(4)]
     dist_ctx.barrier()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in paths[2:]]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries
+    assert checkpoint_names(tmp_path) == [p.name for p in paths[2:]]
+    temporaries = [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint-")]
+    assert not temporaries
 
 
 @pytest.mark.distributed(world_size=2, timeout=90)
@@ -269,7 +271,7 @@ def test_a_save_of_the_same_epoch_and_step_replaces_the_older_one(
         dist_ctx.save_checkpoint(tmp_path, model=model, step=step, epoch=0, keep=2)
     dist_ctx.barrier()
     suffix = ".dcp" if how == "shard" else ".pt"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert checkpoint_names(tmp_path) == [
         f"checkpoint-000001-epoch0-step5{suffix}",
         f"checkpoint-000003-epoch0-step10{suffix}",
     ]
@@ -307,7 +309,7 @@ def test_a_run_that_switches_between_sharded_and_ddp_numbers_one_sequence_and_ne
         tmp_path, model=dist_ctx.shard(tiny_model(), blocks=[nn.Linear]), epoch=0
     )
     dist_ctx.save_checkpoint(tmp_path, model=dist_ctx.wrap(tiny_model(1)), epoch=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert checkpoint_names(tmp_path) == [
         "checkpoint-000001-epoch0.dcp",
         "checkpoint-000002-epoch1.pt",
     ]
@@ -384,7 +386,7 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_the_newest(
     assert again[0]["meta"] == {"epoch": 0}
     assert_same_state(again[0]["weights"], dict(tiny_model().state_dict()))
     assert again[0]["path"] == "checkpoint-000002-epoch2.dcp"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [  # the dead writer's temporary is gone
+    assert checkpoint_names(tmp_path) == [  # the dead writer's temporary is gone
         "checkpoint-000001-epoch0.dcp",
         "checkpoint-000002-epoch2.dcp",
     ]
@@ -426,7 +428,7 @@ def test_an_async_save_holds_the_state_of_the_call_and_is_published_when_finishe
     assert_same_state(result["loaded"], result["at_save"])
     assert not torch.equal(result["after"]["0.weight"], result["at_save"][0]["0.weight"])
     # the one left in flight was published when the distributed() block ended
-    assert sorted(p.name for p in tmp_path.iterdir()) == [result["path"], result["later"]]
+    assert checkpoint_names(tmp_path) == [result["path"], result["later"]]
 
 
 @pytest.mark.distributed(world_size=2, timeout=90)

@@ -5,13 +5,24 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_pids, patience, run_torchrun, start_torchrun, wait_for_files
+from tests.helpers import (
+    REPO,
+    child_env,
+    child_pids,
+    patience,
+    run_torchrun,
+    start_torchrun,
+    wait_for_files,
+)
 
 # Starts its own processes (torchrun jobs, scripts, notebooks): the full tier only.
 pytestmark = pytest.mark.slow
@@ -128,3 +139,68 @@ def test_a_rank_killed_with_sigkill_ends_the_job_naming_it(nproc: int, tmp_path:
     assert elapsed < patience(30), f"the job took {elapsed:.0f} s to end after a rank was killed"
     root_cause = stderr[stderr.index("Root Cause") :]
     assert "Signal 9 (SIGKILL)" in root_cause or "exitcode  : -9" in root_cause
+
+
+@pytest.mark.parametrize(
+    ("case", "failing", "says"),
+    [
+        (
+            "some-ranks",
+            0,
+            "rank 1 had already left distributed() (finished its block) after 1 collective(s), "
+            "while rank 0 waited in its collective #2: a collective was issued on some ranks only",
+        ),
+        (
+            "shapes",
+            1,
+            "rank 0 entered collective #2 too and then left distributed() (finished its block), "
+            "yet rank 1's collective #2 lost its peer: the ranks' calls did not match",
+        ),
+    ],
+)
+def test_a_peer_that_left_its_block_is_named_in_torchruns_root_cause(
+    case: str, failing: int, says: str
+) -> None:
+    """Before: only gloo's 'Connection closed by peer ... a remote worker crashing'."""
+    result = run_torchrun(SCRIPTS / "partial_collective.py", case, nproc=2, timeout=120)
+    assert result.returncode != 0
+    root_cause = " ".join(result.stderr[result.stderr.index("Root Cause") :].split())
+    assert f"rank : {failing} (local_rank: {failing})" in root_cause, root_cause
+    assert says in root_cause, root_cause
+    assert f"[rank{failing}]: ddpctx: " in result.stderr  # also under the traceback
+
+
+def test_a_peer_that_left_its_block_is_named_under_a_plain_env_launch() -> None:
+    """RANK/WORLD_SIZE/MASTER_* set by hand (no torchrun): the note comes all the same."""
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "partial_collective.py"), "some-ranks"],
+            cwd=REPO,
+            env=child_env(
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        (_, err0), (out1, _) = (rank.communicate(timeout=patience(120)) for rank in ranks)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert ranks[1].returncode == 0
+    assert "rank 1 left its block" in out1
+    assert ranks[0].returncode != 0
+    assert "ddpctx: rank 1 had already left distributed() (finished its block)" in err0, err0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -8,8 +8,40 @@
 - :mod:`~ddpctx.checkpoint.sharded`: the same for sharded (FSDP2) models, through DCP.
 - :mod:`~ddpctx.checkpoint.shardfiles`: sharded checkpoint directories: names, newest, pruning.
 - :mod:`~ddpctx.checkpoint.pending`: ``async_save=True``, a sharded save written while training.
+- :mod:`~ddpctx.checkpoint.shardwriter`: DCP's file writer, keeping a failed write's ``errno``.
+- :mod:`~ddpctx.checkpoint.writefailures`: a failed sharded write as an ``OSError`` naming the path.
+- :mod:`~ddpctx.checkpoint.sums`: per-file checksums, recorded at save, verified before loading.
+- :mod:`~ddpctx.checkpoint.writerlock`: one writing job per checkpoint directory, enforced.
 - :mod:`~ddpctx.checkpoint.faces`: ``ctx.save``/``load``/``save_checkpoint``/``load_checkpoint``.
+- :mod:`~ddpctx.checkpoint.weights`: ``checkpoint_meta`` and ``load_weights``, in one plain process.
+- :mod:`~ddpctx.checkpoint.export`: a checkpoint as a plain ``.pt`` or ``.safetensors`` file.
 
 May import: :mod:`ddpctx.utils`, :mod:`ddpctx.reduce`, :mod:`ddpctx.rankzero`,
 :mod:`ddpctx.data`, :mod:`ddpctx.parallel`.
+
+The names of the module ``ddpctx.checkpoint`` this package replaced still import from it,
+with a ``DeprecationWarning`` naming their new home.
 """
+
+from __future__ import annotations
+
+from ddpctx.utils.moved import moved_attributes
+
+__getattr__ = moved_attributes(
+    __name__,
+    {
+        "FORMAT": "ddpctx.checkpoint.files",
+        "RefusedCheckpoint": "ddpctx.checkpoint.files",
+        "atomic_save": "ddpctx.utils.atomic",
+        "bare": "ddpctx.checkpoint.files",
+        "check_world_size": "ddpctx.checkpoint.files",
+        "checkpoint_paths": "ddpctx.checkpoint.files",
+        "load_file": "ddpctx.checkpoint.files",
+        "newest_checkpoint": "ddpctx.checkpoint.files",
+        "next_checkpoint_path": "ddpctx.checkpoint.files",
+        "probe": "ddpctx.checkpoint.files",
+        "prune": "ddpctx.checkpoint.files",
+        "training_state": "ddpctx.checkpoint.files",
+        "unwrap_model": "ddpctx.parallel.wrapping",
+    },
+)

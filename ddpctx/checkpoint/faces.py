@@ -18,6 +18,7 @@ from torch import nn
 from ddpctx.checkpoint import resume, sharded
 from ddpctx.checkpoint.files import load_file
 from ddpctx.checkpoint.pending import Pending
+from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
@@ -34,6 +35,11 @@ class CheckpointFaces:
     _loader_book: LoaderBook
     _newest_checkpoints: dict[Path, str]
     _pending: Pending
+    _writer_claims: Claims
+    #: Meta a save records for the session (the metrics trail's last step), after flushing it.
+    _before_save: Callable[[], dict[str, Any]] | None = None
+    #: Told the meta a load returns (None: no checkpoint); takes out what :attr:`_before_save` put.
+    _after_load: Callable[[dict[str, Any] | None], None] | None = None
 
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """Rank 0 writes ``obj`` atomically (temporary file, fsync, rename); every rank waits.
@@ -85,7 +91,9 @@ class CheckpointFaces:
         NumPy values, paths and namespaces are converted, anything that would
         not load is refused here (see :mod:`ddpctx.checkpoint.meta`). Call it every
         K steps with ``step=`` to resume mid-epoch. Another job writing
-        checkpoints into the same directory is detected and refused. A sharded
+        checkpoints into the same directory is refused, naming it: rank 0
+        holds the directory's writer lock until the block ends
+        (:mod:`ddpctx.checkpoint.writerlock`). A sharded
         model (``ctx.shard``, or FSDP2 applied by hand) is saved as a directory
         in which every rank writes its shards (:mod:`ddpctx.checkpoint.sharded`),
         with the same promises;
@@ -94,6 +102,8 @@ class CheckpointFaces:
         the block (:mod:`ddpctx.checkpoint.pending`).
         """
         self.finish_checkpoint()  # at most one save in flight
+        if self._before_save is not None:
+            meta = {**meta, **self._before_save()}
         if async_save is not False:
             return self._save_async(
                 Path(directory),
@@ -124,6 +134,7 @@ class CheckpointFaces:
             meta=meta,
             rank_state=rank_state,
             newest_seen=self._newest_checkpoints,
+            claims=self._writer_claims,
         )
 
     def load_checkpoint(
@@ -158,7 +169,7 @@ class CheckpointFaces:
         self.finish_checkpoint()
         sharded_read = sharded.reads_sharded(self._place(), Path(directory), model)
         reader = sharded.load if sharded_read else resume.load
-        return reader(
+        meta = reader(
             self._place(),
             self.device,
             self._loader_book,
@@ -173,6 +184,9 @@ class CheckpointFaces:
             rank_state=rank_state,
             newest_seen=self._newest_checkpoints,
         )
+        if self._after_load is not None:
+            self._after_load(meta)
+        return meta
 
     def finish_checkpoint(self) -> Path | None:
         """Wait for an ``async_save=True`` checkpoint and publish it; its path, or None.
@@ -216,6 +230,7 @@ class CheckpointFaces:
             keep=keep,
             meta=meta,
             rank_state=rank_state,
+            claims=self._writer_claims,
         )
         try:
             return self._pending.start(prepared, model, optimizer)

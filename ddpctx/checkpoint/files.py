@@ -9,8 +9,12 @@
   world size, the position of every loader (:mod:`ddpctx.data.sampling`), and
   **every rank's** generator states, so each rank resumes with exactly its
   own random stream.
+- Beside each file, ``checkpoint-000007-epoch3.pt.sums`` records its size and
+  CRC-32 (:mod:`ddpctx.checkpoint.sums`), written before the file is renamed
+  into place; copy both.
 - :func:`newest_checkpoint` tells three cases apart: a file *torn* by a crash
-  (not a readable torch file: skipped with a warning, the next older one is
+  or *damaged* since it was saved (not a readable torch file, or not the
+  bytes its manifest records: skipped with a warning, the next older one is
   used), a file that reads but is *refused* (``weights_only`` refuses what it
   holds, or it is not a ddpctx checkpoint: an error naming it, never skipped
   silently), and no checkpoint at all (None). When checkpoints exist and none
@@ -45,12 +49,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ddpctx.checkpoint.sums import intact, sidecar
 from ddpctx.parallel.wrapping import unwrap_model
 from ddpctx.utils.atomic import atomic_save, remove_abandoned
 
@@ -212,13 +218,14 @@ def newest_checkpoint(directory: Path) -> Path | None:
     """
     refuse_a_file(directory)
     paths = checkpoint_paths(directory)
-    for path in paths:
-        if probe(path) is not None:
+    for path in paths:  # the checksums first: a damaged file is never unpickled
+        if intact(sidecar(path), path.parent, (path.name,), path) and probe(path) is not None:
             return path
     if paths:
         raise RuntimeError(
             f"{str(directory)!r} holds {len(paths)} checkpoint file(s) "
-            f"({', '.join(p.name for p in paths[:5])}) and none of them loads (all torn). "
+            f"({', '.join(p.name for p in paths[:5])}) and none of them loads (each is torn or "
+            "damaged: see the warnings). "
             "Refusing to start over silently: restore a good checkpoint, or move the "
             "directory away to start a new run."
         )
@@ -235,21 +242,80 @@ def label_of(path: Path, names: re.Pattern[str] = _NAME) -> str:
 
 
 def prune(directory: Path, keep: int, newest_good: Path) -> None:
-    """Delete checkpoints older than the newest ``keep``, never ``newest_good`` (known to load).
+    """Delete checkpoints older than the newest ``keep`` that load, never ``newest_good``.
 
-    Older checkpoints labelled with the same epoch and step as ``newest_good``
-    are superseded by it and deleted first.
+    ``newest_good`` is known to load. A damaged or torn checkpoint does not
+    count towards ``keep`` (:func:`beyond_keep`), so it never pushes out one
+    that loads. Older checkpoints labelled with the same epoch and step as
+    ``newest_good`` are superseded by it and deleted first.
     """
     label = label_of(newest_good)
     paths = checkpoint_paths(directory)
     if label:
         for older in paths:
             if older != newest_good and label_of(older) == label:
-                older.unlink(missing_ok=True)
+                remove_checkpoint_file(older)
         paths = checkpoint_paths(directory)
-    for old in paths[keep:]:
-        if old != newest_good:
-            old.unlink(missing_ok=True)
+    for old in beyond_keep(paths, keep, newest_good, loads):
+        remove_checkpoint_file(old)
+    for manifest in directory.glob("checkpoint-*.pt.sums"):  # a save stopped before its rename
+        orphan = manifest.with_name(manifest.name.removesuffix(".sums"))
+        if not orphan.exists() and number_of(orphan) < number_of(newest_good):
+            manifest.unlink(missing_ok=True)
+
+
+def beyond_keep(
+    found: list[Path], keep: int, newest_good: Path, loads: Callable[[Path], bool]
+) -> list[Path]:
+    """Which of ``found`` (newest first) to prune: those older than the ``keep``-th that loads.
+
+    ``newest_good`` (known to load) counts; each older one counts if ``loads``
+    says so, asked newest first and only until ``keep`` are counted (with
+    ``keep=2``, one read of the previous checkpoint per save). A newer one
+    than ``newest_good`` (skipped at load as damaged or torn) never counts and
+    is never pruned by this rule: it is the older checkpoints, not it, that
+    hold the run's progress.
+
+    >>> names = [Path(f"checkpoint-00000{n}.pt") for n in (3, 2, 1)]
+    >>> [p.name for p in beyond_keep(names, 2, names[0], lambda p: p != names[1])]
+    []
+    >>> [p.name for p in beyond_keep(names, 2, names[0], lambda p: True)]
+    ['checkpoint-000001.pt']
+    """
+    counted = 0
+    for index, path in enumerate(found):
+        older = number_of(path) < number_of(newest_good)
+        if path == newest_good or (older and loads(path)):
+            counted += 1
+            if counted >= keep:
+                return [old for old in found[index + 1 :] if old != newest_good]
+    return []
+
+
+def quietly(check: Callable[[Path], bool], path: Path) -> bool:
+    """``check(path)`` without its "skipping ..." warnings; False for a refused checkpoint.
+
+    Pruning asks whether a checkpoint loads; only loading warns about one it skips.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            return check(path)
+        except RefusedCheckpoint:
+            return False
+
+
+def loads(path: Path) -> bool:
+    """Whether the single-file checkpoint ``path`` matches its manifest and reads (no warning)."""
+    return quietly(
+        lambda p: intact(sidecar(p), p.parent, (p.name,), p) and probe(p) is not None, path
+    )
+
+
+def remove_checkpoint_file(path: Path) -> None:
+    """Delete a single-file checkpoint and its checksum manifest."""
+    path.unlink(missing_ok=True)
+    sidecar(path).unlink(missing_ok=True)
 
 
 def remove_abandoned_checkpoint_temporaries(directory: Path) -> None:

@@ -12,9 +12,11 @@ renamed to its final name -- only when it is *finished*: at the next
 ``save_checkpoint`` or ``load_checkpoint``, at :meth:`finish_checkpoint`, or
 when the ``distributed()`` block ends normally. Finishing waits for every
 rank's write, so at most one save is in flight: memory holds at most one
-staged copy of this rank's shards. A rank that dies before then leaves a
-temporary directory that is never chosen; the previous checkpoint stays the
-newest loadable one. A block that ends with an exception waits for this
+staged copy of this rank's shards. Rank 0 publishes only after every rank
+has confirmed, inside its own finishing call, that its part is written: a
+rank that dies before then -- even after its write completed -- leaves a
+temporary directory that is never chosen (rank 0 removes it); the previous
+checkpoint stays the newest loadable one. A block that ends with an exception waits for this
 rank's write but does not publish it.
 
 This module knows ranks only through a :class:`~ddpctx.utils.identity.Place`.
@@ -35,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpctx.checkpoint.sharded import Prepared, abandon, finish, sharded_state
+from ddpctx.checkpoint.sharded import Prepared, abandon, confirm_parts, finish, sharded_state
+from ddpctx.checkpoint.writefailures import as_os_error, is_write_failure
 from ddpctx.utils.identity import Place
 
 
@@ -64,18 +67,32 @@ class Pending:
         optimizer: torch.optim.Optimizer | None,
     ) -> Path:
         """Stage this rank's shards and start writing them; the final path (not there yet)."""
-        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+        try:
+            from torch.distributed.checkpoint.state_dict_saver import async_save
+        except ImportError as error:
+            raise RuntimeError(
+                f"save_checkpoint(async_save=True) needs torch.distributed.checkpoint's "
+                f"async_save, which torch {torch.__version__} lacks ({error}). Upgrade torch, "
+                "or save with async_save=False (the same checkpoint, written before it returns)."
+            ) from error
+        from ddpctx.checkpoint.shardwriter import Writer
 
         if self.group is None:
             self.group = dist.new_group(backend="gloo")  # every rank: save_checkpoint is collective
-        response = async_save(
-            sharded_state(model, optimizer),
-            checkpoint_id=prepared.temporary,
-            process_group=self.group,
-        )
-        if isinstance(response, AsyncSaveResponse):
-            response = response.upload_completion
-        self.future = response
+        try:
+            response = async_save(
+                sharded_state(model, optimizer),
+                checkpoint_id=prepared.temporary,
+                storage_writer=Writer(prepared.temporary),
+                process_group=self.group,
+            )
+        except BaseException as error:  # e.g. the planning step failed on some rank
+            if is_write_failure(error):
+                raise as_os_error(error, prepared.final, prepared.temporary) from error
+            raise
+        # a recent torch answers an AsyncSaveResponse, an older one the write's Future itself
+        answer: Any = response
+        self.future = getattr(answer, "upload_completion", answer)
         self.prepared = prepared
         return prepared.final
 
@@ -91,7 +108,16 @@ class Pending:
         self.prepared = self.future = None
         try:
             future.result()  # DCP reports a failed write on every rank
+        except BaseException as error:
+            abandon(place, prepared)
+            if is_write_failure(error):  # a BaseException: an OSError naming the path instead
+                raise as_os_error(error, prepared.final, prepared.temporary) from error
+            raise
+        if not publish:
+            return None
+        try:  # rank 0 publishes only what every rank confirms: a rank killed by now never does
+            parts = confirm_parts(place, prepared)
         except BaseException:
             abandon(place, prepared)
             raise
-        return finish(place, prepared) if publish else None
+        return finish(place, prepared, parts)

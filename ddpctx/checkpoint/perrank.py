@@ -15,17 +15,24 @@ its own seed derived from the base seed, the step, the rank and the name
 ``state_dict`` cannot be split or merged correctly by ddpctx, so it is
 refused with an error naming it.
 
+A restored generator that the user's code reseeds before the resumed epoch
+reads on (a per-epoch ``set_epoch_seed``) silently undoes the restore; the
+loaders then warn, naming it and the fix (:class:`RestoredWatch`).
+
 Example:
     >>> import random
     >>> rng = random.Random(1); saved = capture({"rng": rng}); first = rng.random()
-    >>> restore({"rng": rng}, saved, "ckpt.pt"); rng.random() == first
+    >>> _ = restore({"rng": rng}, saved, "ckpt.pt"); rng.random() == first
     True
 """
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from typing import Any
+
+import torch
 
 from ddpctx.utils.seeding import (
     generator_kind,
@@ -67,8 +74,12 @@ def capture(rank_state: dict[str, Any]) -> dict[str, Any]:
     return captured
 
 
-def restore(rank_state: dict[str, Any], saved: dict[str, Any], where: str) -> None:
-    """Load this rank's saved states into the objects of ``rank_state``."""
+def restore(rank_state: dict[str, Any], saved: dict[str, Any], where: str) -> RestoredWatch:
+    """Load this rank's saved states into the objects of ``rank_state``.
+
+    Returns the :class:`RestoredWatch` over the generators restored, for the
+    loaders to call before the resumed epoch reads its first batch.
+    """
     for name, item in rank_state.items():
         if name not in saved:
             raise ValueError(
@@ -87,6 +98,75 @@ def restore(rank_state: dict[str, Any], saved: dict[str, Any], where: str) -> No
             item.load_state_dict(saved[name]["state"])
         else:
             set_generator_state(item, saved[name])
+    generators = {name: item for name, item in rank_state.items() if generator_kind(item)}
+    return RestoredWatch(generators, where)
+
+
+class ReseededGeneratorWarning(UserWarning):
+    """A generator restored through ``rank_state=`` changed before the resumed epoch read on."""
+
+
+class RestoredWatch:
+    """The restored generators' states; :meth:`check` warns about any that changed since.
+
+    A dataset that reseeds its generator at the start of every epoch (Kronos'
+    ``set_epoch_seed`` calls ``self.py_rng.seed``) does so in the resumed
+    epoch too, after ``load_checkpoint`` restored it: the restore is undone
+    and the resumed epoch draws that epoch's *first* numbers again, without
+    an error. The loaders call :meth:`check` once, when a mid-epoch resumed
+    pass is about to read its first batch; a generator whose state is not the
+    restored one by then was reseeded or drawn from in between, which the
+    uninterrupted run did not do at that point of the epoch.
+    """
+
+    def __init__(self, generators: dict[str, Any], where: str) -> None:
+        self._restored = {name: (item, generator_state(item)) for name, item in generators.items()}
+        self._where = where
+
+    def check(self) -> None:
+        """Warn (once) naming each restored generator whose state changed, and the fix."""
+        restored, self._restored = self._restored, {}
+        for name, (item, state) in restored.items():
+            if _same(generator_state(item), state):
+                continue
+            what = "reseeded" if _freshly_seeded(item) else "reseeded or drawn from"
+            warnings.warn(
+                f"load_checkpoint restored rank_state[{name!r}] (a {generator_kind(item)}) from "
+                f"{self._where}, but it was {what} before the resumed epoch read its first "
+                "batch, which undoes the restore: the rest of the epoch draws other numbers "
+                "than the uninterrupted run (not an exact resume). A reseed at the start of "
+                "every epoch (e.g. dataset.set_epoch_seed(epoch)) does this. Fix: reseed only "
+                "in an epoch that starts from its first batch, `if loader.start == 0: "
+                "dataset.set_epoch_seed(epoch)` (the restored state carries a resumed epoch "
+                "on), or draw from the global generators instead (random.randint for "
+                "self.py_rng.randint), which ddpctx seeds per rank, worker and batch and saves "
+                "in every checkpoint.",
+                ReseededGeneratorWarning,
+                stacklevel=3,
+            )
+
+
+def _freshly_seeded(item: Any) -> bool:
+    """A ``random.Random`` seeded and not drawn from since (its Mersenne Twister index is 624)."""
+    if generator_kind(item) != "random.Random":
+        return False
+    return bool(item.getstate()[1][-1] == 624)
+
+
+def _same(first: Any, second: Any) -> bool:
+    """Whether two captured generator states are equal (tensors compared by value)."""
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        return (
+            isinstance(first, torch.Tensor)
+            and isinstance(second, torch.Tensor)
+            and first.shape == second.shape
+            and torch.equal(first, second)
+        )
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(_same(first[k], second[k]) for k in first)
+    if isinstance(first, (list, tuple)) and isinstance(second, (list, tuple)):
+        return len(first) == len(second) and all(map(_same, first, second))
+    return bool(first == second)
 
 
 def reseed(rank_state: dict[str, Any], seed: int, where: str, old_world_size: int) -> None:

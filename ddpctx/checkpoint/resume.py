@@ -8,7 +8,9 @@ older ones. Every rank gets the new path, or the same error.
 
 Loading picks the newest loadable checkpoint on rank 0
 (:func:`~ddpctx.checkpoint.files.newest_checkpoint`), restores the states on every
-rank, and hands each loader its position. With ``allow_world_size_change=True``
+rank, hands each loader its position, and gives a DDP model the gradient-bucket
+layout the saving run had rebuilt (:mod:`ddpctx.parallel.buckets`), so its
+first step reduces exactly as the uninterrupted run's did. With ``allow_world_size_change=True``
 a checkpoint from another world size is
 accepted: each rank's random state is then *derived* from the base seed, the
 rank and the saved step (bit-identity with the old world size is impossible:
@@ -37,18 +39,24 @@ from ddpctx.checkpoint.files import (
     bare,
     check_single_writer,
     check_world_size,
+    checkpoint_paths,
     load_file,
     newest_checkpoint,
     next_checkpoint_path,
+    number_of,
     probe,
     prune,
     remove_abandoned_checkpoint_temporaries,
+    remove_checkpoint_file,
     training_state,
     unwrap_model,
 )
 from ddpctx.checkpoint.meta import plain_meta
 from ddpctx.checkpoint.schedules import check_scheduler
+from ddpctx.checkpoint.sums import sidecar, write_manifest
+from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook, saved_loaders
+from ddpctx.parallel.buckets import bucket_layout, install_bucket_layout
 from ddpctx.parallel.sharding import refuse_unsaveable
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
@@ -93,11 +101,14 @@ def save(
     meta: dict[str, Any],
     rank_state: dict[str, Any] | None = None,
     newest_seen: dict[Path, str] | None = None,
+    claims: Claims | None = None,
 ) -> Path:
     """Write a checkpoint of the run (rank 0), prune old ones; every rank gets its path.
 
-    ``newest_seen`` (rank 0's memory of the newest checkpoint it wrote or
-    loaded, per directory) detects another job writing the same directory.
+    ``claims`` (rank 0's writer locks, :mod:`ddpctx.checkpoint.writerlock`)
+    refuses a second job writing the same directory; ``newest_seen`` (rank
+    0's memory of the newest checkpoint it wrote or loaded, per directory)
+    detects one where the file system cannot lock.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep={keep!r} must be a positive int (how many checkpoints to keep).")
@@ -114,9 +125,12 @@ def save(
     records = loaders.records([snapshot for _, snapshot, _ in everyone])
     rank_states = [states for _, _, states in everyone]
     seen = newest_seen if newest_seen is not None else {}
+    layout = bucket_layout(model)  # on every rank: it may rebuild DDP's buckets (a broadcast)
 
     def write() -> Path:
         directory.mkdir(parents=True, exist_ok=True)
+        if claims is not None:
+            claims.claim(directory)  # one writer per directory: another job's save is refused
         check_single_writer(directory, seen.get(directory))
         remove_abandoned_checkpoint_temporaries(directory)
         path = next_checkpoint_path(directory, plain.get("epoch"), step)
@@ -135,11 +149,12 @@ def save(
             rank_states=rank_states,
             keep=keep,
         )
-        atomic_save(state, path)
+        state["ddp_buckets"] = layout  # the resumed model reduces as this run goes on to
+        atomic_save(state, path, lambda saved: write_manifest(sidecar(path), {path.name: saved}))
         try:
             probe(path)
         except RefusedCheckpoint as error:
-            path.unlink(missing_ok=True)
+            remove_checkpoint_file(path)
             raise TypeError(
                 f"the checkpoint just written would not load, so it was removed and older "
                 f"ones kept: {error}. Some state_dict (optimizer, scheduler, scaler or extra) "
@@ -201,6 +216,7 @@ def load(
     if changed:
         check_scheduler(scheduler, state.get("scheduler"), saved, place.world_size, where)
     unwrap_model(model).load_state_dict(state["model"])
+    install_bucket_layout(model, state.get("ddp_buckets"))
     _load_stateful("optimizer", optimizer, state, where)
     _load_stateful("scheduler", scheduler, state, where)
     if scaler is not None and state.get("scaler") is not None:
@@ -216,6 +232,7 @@ def load(
         bare(item).load_state_dict(saved_extra[name])
     step = state.get("step")
     saved_ranks = state.get("rank_state") or []
+    watch = None
     if changed:
         seed = base_seed if base_seed is not None else state.get("base_seed") or 0
         fresh = derived_seed(seed, place.rank, step or 0, place.world_size)
@@ -223,9 +240,9 @@ def load(
         seed_everything(fresh)
     else:
         mine = saved_ranks[place.rank] if saved_ranks else {}
-        perrank.restore(rank_state, mine, where)
+        watch = perrank.restore(rank_state, mine, where).check
         set_rng_state(state["rng"][place.rank])
-    loaders.restore(saved)
+    loaders.restore(saved, before_resumed_pass=watch)
     meta: dict[str, Any] = dict(state["meta"])
     if step is not None:
         meta["step"] = step
@@ -243,7 +260,11 @@ def _choose(directory: Path, seen: dict[Path, str]) -> Path | None:
     if isinstance(keep, int) and keep >= 1:
         with contextlib.suppress(OSError):  # a read-only directory still loads
             prune(directory, keep, path)
-    seen[directory] = path.name
+    # A newer checkpoint skipped as damaged or torn was seen by this run too: the next save
+    # numbers past it, and the single-writer check must not take it for another job's.
+    present = checkpoint_paths(directory)[:1]
+    newest = present[0] if present and number_of(present[0]) > number_of(path) else path
+    seen[directory] = newest.name
     return path
 
 

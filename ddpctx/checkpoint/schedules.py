@@ -15,7 +15,9 @@ change:
 
 - a ``OneCycleLR`` (always counted in steps, and it raises past its total)
   is an error naming its total and current step, the old and new steps per
-  epoch, and the fix;
+  epoch (``drop_last`` counted), and the fix: the total for a new one, the
+  batches left in the resumed epoch (mapped as the loader will read them)
+  plus the later epochs' batches;
 - any other scheduler with a horizon gets the same facts as a warning (it may
   be stepped per epoch, which a world-size change does not affect).
 
@@ -28,36 +30,69 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from ddpctx.data.book import SavedLoader
+from ddpctx.data.sampling import ShardSampler
 
 #: Scheduler attributes that hold a horizon counted in scheduler steps.
 HORIZONS = ("total_steps", "total_iters", "T_max", "T_0", "step_size_up")
 
 
-def steps_per_epoch(length: int, world_size: int, batch_size: int, pad: bool) -> int:
-    """Batches rank 0 reads in a whole epoch (the most any rank reads)."""
+def steps_per_epoch(
+    length: int, world_size: int, batch_size: int, pad: bool, drop_last: bool = False
+) -> int:
+    """Batches rank 0 reads in a whole epoch (the most any rank reads).
+
+    >>> steps_per_epoch(length=320, world_size=3, batch_size=16, pad=True, drop_last=True)
+    6
+    """
     per_rank = math.ceil(length / world_size)
-    return math.ceil(per_rank / batch_size) if batch_size else 0
+    return _batches(per_rank, batch_size, drop_last)
+
+
+def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    if not batch_size:
+        return 0
+    return samples // batch_size if drop_last else math.ceil(samples / batch_size)
+
+
+def steps_left(loader: SavedLoader, world_size: int) -> int | None:
+    """Batches rank 0 reads in the rest of the saved epoch on ``world_size`` ranks.
+
+    None when the loader was saved at no mid-epoch position (the next epoch
+    starts whole).
+    """
+    if loader.position is None:
+        return None
+    fill = loader.batch_size if loader.drop_last and loader.batch_size else 1
+    sampler = ShardSampler(loader.length, world_size, 0, pad=loader.pad, fill=fill)
+    sampler.resume(loader.position)  # the mapping load_checkpoint gives the loader
+    return _batches(len(sampler), loader.batch_size, loader.drop_last)
 
 
 def check_scheduler(
     scheduler: Any,
     saved_state: dict[str, Any] | None,
-    saved: list[SavedLoader],
+    saved: Sequence[object],
     new_world_size: int,
     where: str,
 ) -> None:
-    """Refuse (OneCycleLR) or warn (others with a horizon) when steps per epoch change."""
+    """Refuse (OneCycleLR) or warn (others with a horizon) when steps per epoch change.
+
+    Streams (whose steps per epoch nobody knows ahead) are not counted.
+    """
     if scheduler is None:
         return
+    counted = [loader for loader in saved if isinstance(loader, SavedLoader)]
     horizon = next((name for name in HORIZONS if hasattr(scheduler, name)), None)
     if horizon is None:
         return
-    for loader in sorted(saved, key=lambda record: not record.pad):  # training loaders first
-        old = steps_per_epoch(loader.length, loader.world_size, loader.batch_size, loader.pad)
-        new = steps_per_epoch(loader.length, new_world_size, loader.batch_size, loader.pad)
+    for loader in sorted(counted, key=lambda record: not record.pad):  # training loaders first
+        shape = (loader.batch_size, loader.pad, loader.drop_last)
+        old = steps_per_epoch(loader.length, loader.world_size, *shape)
+        new = steps_per_epoch(loader.length, new_world_size, *shape)
         if old != new and old and new:
             break
     else:
@@ -73,11 +108,20 @@ def check_scheduler(
         "run"
     )
     if horizon == "total_steps":
+        left = steps_left(loader, new_world_size)
+        epoch = loader.position.epoch if loader.position is not None else None
+        if left is None or epoch is None:
+            total = f"total_steps = remaining epochs x {new} batches"
+        else:
+            total = (
+                f"total_steps = {left} + {new} x (epochs after epoch {epoch}): on "
+                f"{new_world_size} ranks the resumed epoch {epoch} has {left} batch(es) left "
+                f"and each later epoch {new}"
+            )
         raise ValueError(
             f"{facts}: it would end too early or raise 'Tried to step ... times' later. Resume "
             f"on {loader.world_size} ranks, or leave scheduler= out of load_checkpoint and build "
-            f"a new {name} for the steps left (e.g. total_steps = remaining epochs x {new} "
-            "batches)."
+            f"a new {name} for the steps left ({total})."
         )
     warnings.warn(
         f"{facts}. If it is stepped once per batch, its schedule no longer fits: rebuild it "

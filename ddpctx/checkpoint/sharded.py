@@ -6,27 +6,31 @@ in the same sequence: ``checkpoint-000008-epoch3-step120.dcp/``. It holds
 - the model's and the optimizer's shards, written by every rank through
   ``torch.distributed.checkpoint`` (DCP) from ``get_state_dict`` (keyed by
   parameter names, so any world size can load them: DCP reshards on load);
-- ``ddpctx.pt``, written by rank 0 last: the checkpoint format, the world
+- ``ddpctx.pt``, written by rank 0: the checkpoint format, the world
   size, the meta, every rank's random state, every loader's position, and the
-  scheduler, AMP scaler and ``extra`` states (the same on every rank).
+  scheduler, AMP scaler and ``extra`` states (the same on every rank);
+- ``ddpctx.sums``, written by rank 0 last: every other file's size and
+  CRC-32 (:mod:`ddpctx.checkpoint.sums`; each rank reads back its own shards).
 
 Atomic: every rank writes into ``.<name>.<host>.<pid>.<random>.tmp/``; once
 DCP's save has returned on every rank (its metadata file is written after
-all shards), rank 0 writes ``ddpctx.pt``, checks that it loads, and renames
-the directory to its final name. A crash at any point leaves a temporary
+all shards) and every rank has confirmed its part, rank 0 writes
+``ddpctx.pt``, checks that it loads, writes the manifest and renames the
+directory to its final name. A crash at any point leaves a temporary
 that is never chosen (and that a later save removes once its writer is
 provably gone), so the previous checkpoint stays the newest loadable one.
 ``keep=N`` prunes the older directories, never the newest that loads.
 
 Loading picks the newest directory whose ``ddpctx.pt`` and DCP metadata are
-there (an incomplete one is skipped with a warning), loads the shards into
+there and whose files match its manifest (an incomplete or damaged one is
+skipped with a warning naming the file), loads the shards into
 the model and optimizer at *this* world size, and restores the rest exactly
 as :mod:`ddpctx.checkpoint.resume` does for single-file checkpoints. All
 ranks must see the same directory (a shared file system across nodes).
 
 Example:
-    >>> checkpoint_dirs(Path("/nonexistent"))
-    []
+    >>> is_sharded(torch.nn.Linear(2, 1))
+    False
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import copy
 import os
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +52,7 @@ from ddpctx.checkpoint.files import (
     RefusedCheckpoint,
     bare,
     check_world_size,
-    checkpoint_paths,
     load_file,
-    number_of,
     probe,
 )
 from ddpctx.checkpoint.meta import plain_meta
@@ -57,14 +60,18 @@ from ddpctx.checkpoint.resume import Gather, _check_extra, derived_seed
 from ddpctx.checkpoint.schedules import check_scheduler
 from ddpctx.checkpoint.shardfiles import (
     STATE_FILE,
-    checkpoint_dirs,
     newest_checkpoint_dir,
+    newest_is_sharded,
     next_checkpoint_dir,
     prune_dirs,
 )
+from ddpctx.checkpoint.sums import SHARDED_MANIFEST, FileSum, file_sum, write_manifest
+from ddpctx.checkpoint.writefailures import as_os_error, is_write_failure
+from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook, saved_loaders
 from ddpctx.parallel.sharding import sharding_of
 from ddpctx.rankzero.outcome import on_rank_zero
+from ddpctx.reduce.objects import all_gather_objects
 from ddpctx.utils.atomic import atomic_save, fsync_directory, temporary_name
 from ddpctx.utils.identity import Place
 from ddpctx.utils.seeding import rng_state, seed_everything, set_rng_state
@@ -84,12 +91,7 @@ def reads_sharded(place: Place, directory: Path, model: nn.Module) -> bool:
     """
     if is_sharded(model):
         return True
-
-    def newest_is_sharded() -> bool:
-        dirs, files = checkpoint_dirs(directory), checkpoint_paths(directory)
-        return bool(dirs) and (not files or number_of(dirs[0]) > number_of(files[0]))
-
-    return bool(on_rank_zero(place, newest_is_sharded, broadcast=True)[1])
+    return bool(on_rank_zero(place, partial(newest_is_sharded, directory), broadcast=True)[1])
 
 
 def _refuse_sharded_extra(extra: dict[str, Any]) -> None:
@@ -106,7 +108,9 @@ def dcp_save(state: dict[str, Any], checkpoint_id: Path) -> Any:
     """DCP's ``save``, imported when first used (DCP costs about a second of import time)."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    return save(state, checkpoint_id=checkpoint_id)
+    from ddpctx.checkpoint.shardwriter import Writer
+
+    return save(state, checkpoint_id=checkpoint_id, storage_writer=Writer(checkpoint_id))
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -146,6 +150,7 @@ def prepare(
     keep: int,
     meta: dict[str, Any],
     rank_state: dict[str, Any] | None = None,
+    claims: Claims | None = None,
 ) -> Prepared:
     """Check the arguments, gather RNG states and positions, create the temporary directory."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -175,6 +180,8 @@ def prepare(
 
     def begin() -> tuple[str, str]:
         directory.mkdir(parents=True, exist_ok=True)
+        if claims is not None:
+            claims.claim(directory)  # one writer per directory: another job's save is refused
         final = next_checkpoint_dir(directory, plain.get("epoch"), step)
         temporary = temporary_name(final)
         temporary.mkdir()
@@ -184,29 +191,58 @@ def prepare(
     return Prepared(directory, Path(temporary), Path(final), keep, state)
 
 
-def finish(place: Place, prepared: Prepared) -> Path:
-    """After every rank's shards are written: rank 0 adds ``ddpctx.pt`` and renames (collective)."""
+def confirm_parts(place: Place, prepared: Prepared) -> list[dict[str, FileSum]]:
+    """Every rank's word that its shards are written, with their sizes and CRCs (collective).
+
+    Each rank reads back the files it wrote (DCP names them ``__<rank>_*``).
+    A rank that died cannot answer: the gather then fails on the others, and
+    nothing is published.
+    """
+    mine = {path.name: file_sum(path) for path in prepared.temporary.glob(f"__{place.rank}_*")}
+    return [mine] if place.world_size == 1 else all_gather_objects(mine)
+
+
+def finish(place: Place, prepared: Prepared, parts: list[dict[str, FileSum]]) -> Path:
+    """Once every rank confirmed its shards (``parts``), rank 0 seals and renames (collective)."""
+    if len(parts) != place.world_size:
+        raise RuntimeError(
+            f"{len(parts)} of {place.world_size} ranks confirmed their part of "
+            f"{str(prepared.final)!r}; it is not published. Save again."
+        )
     temporary, final = prepared.temporary, prepared.final
 
     def publish() -> Path:
-        atomic_save(prepared.state, temporary / STATE_FILE)
-        try:
-            probe(temporary / STATE_FILE)
-        except RefusedCheckpoint as error:
+        try:  # a failure here (a full disk, say) leaves no temporary behind
+            seal(prepared, {name: part for confirmed in parts for name, part in confirmed.items()})
+            os.rename(temporary, final)
+        except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
-            raise TypeError(
-                f"the checkpoint just written would not load, so it was removed and older ones "
-                f"kept: {error}. Some state_dict (scheduler, scaler or extra) holds a value "
-                "weights_only refuses; convert it to plain values."
-            ) from error
-        fsync_directory(temporary)
-        os.rename(temporary, final)
+            raise
         fsync_directory(prepared.directory)
         prune_dirs(prepared.directory, prepared.keep, final)
         return final
 
     _, path = on_rank_zero(place, publish, broadcast=True)
     return Path(path)
+
+
+def seal(prepared: Prepared, sums: dict[str, FileSum]) -> None:
+    """Rank 0: write ``ddpctx.pt``, check that it loads, write the manifest, sync the directory."""
+    temporary = prepared.temporary
+    atomic_save(prepared.state, temporary / STATE_FILE, partial(sums.__setitem__, STATE_FILE))
+    try:
+        probe(temporary / STATE_FILE)
+    except RefusedCheckpoint as error:
+        raise TypeError(
+            f"the checkpoint just written would not load, so it was removed and older ones "
+            f"kept: {error}. Some state_dict (scheduler, scaler or extra) holds a value "
+            "weights_only refuses; convert it to plain values."
+        ) from error
+    for path in temporary.iterdir():  # DCP's .metadata, and whatever no rank claimed
+        if path.name not in sums and path.is_file():
+            sums[path.name] = file_sum(path)
+    write_manifest(temporary / SHARDED_MANIFEST, sums)  # before the directory is published
+    fsync_directory(temporary)
 
 
 def abandon(place: Place, prepared: Prepared) -> None:
@@ -232,6 +268,7 @@ def save(
     meta: dict[str, Any],
     rank_state: dict[str, Any] | None = None,
     newest_seen: dict[Path, str] | None = None,  # single-file checkpoints' writer check
+    claims: Claims | None = None,
 ) -> Path:
     """Write a sharded checkpoint (see the module docstring); every rank gets its path."""
     prepared = prepare(
@@ -248,13 +285,21 @@ def save(
         keep=keep,
         meta=meta,
         rank_state=rank_state,
+        claims=claims,
     )
     try:
         dcp_save(sharded_state(model, optimizer), checkpoint_id=prepared.temporary)
-    except BaseException:  # DCP raises on every rank when any rank's write failed
+    except BaseException as error:  # DCP raises on every rank when any rank's write failed
+        abandon(place, prepared)
+        if is_write_failure(error):  # a BaseException: an OSError naming the path instead
+            raise as_os_error(error, prepared.final, prepared.temporary) from error
+        raise
+    try:
+        parts = confirm_parts(place, prepared)
+    except BaseException:
         abandon(place, prepared)
         raise
-    return finish(place, prepared)
+    return finish(place, prepared, parts)
 
 
 def load(
@@ -310,6 +355,7 @@ def load(
     _restore_replicated(state, path, scheduler, scaler, extra)
     step = state.get("step")
     where = repr(str(path))
+    watch = None
     if changed:
         seed = base_seed if base_seed is not None else state.get("base_seed") or 0
         fresh = derived_seed(seed, place.rank, step or 0, place.world_size)
@@ -317,9 +363,10 @@ def load(
         seed_everything(fresh)
     else:
         saved_ranks = state.get("rank_state") or []
-        perrank.restore(rank_state, saved_ranks[place.rank] if saved_ranks else {}, where)
+        mine = saved_ranks[place.rank] if saved_ranks else {}
+        watch = perrank.restore(rank_state, mine, where).check
         set_rng_state(state["rng"][place.rank])
-    loaders.restore(saved)
+    loaders.restore(saved, before_resumed_pass=watch)
     meta: dict[str, Any] = dict(state["meta"])
     if step is not None:
         meta["step"] = step

@@ -4,7 +4,8 @@ The on-disk layout of :mod:`ddpctx.checkpoint.sharded`, as
 :mod:`ddpctx.checkpoint.files` is that of single-file checkpoints: a
 sharded checkpoint is a directory ``checkpoint-NNNNNN[-epochE][-stepS].dcp/``
 numbered in the same sequence as the files, complete when DCP's
-``.metadata`` and ddpctx's ``ddpctx.pt`` are both there.
+``.metadata`` and ddpctx's ``ddpctx.pt`` are both there and every file
+matches the checksum manifest ``ddpctx.sums`` (:mod:`ddpctx.checkpoint.sums`).
 
 Example:
     >>> checkpoint_dirs(Path("/nonexistent"))
@@ -20,13 +21,16 @@ from pathlib import Path
 
 from ddpctx.checkpoint.files import (
     RefusedCheckpoint,
+    beyond_keep,
     checkpoint_paths,
     label_of,
     next_name,
     number_of,
     probe,
+    quietly,
     refuse_a_file,
 )
+from ddpctx.checkpoint.sums import SHARDED_MANIFEST, intact
 from ddpctx.utils.atomic import is_abandoned
 
 STATE_FILE = "ddpctx.pt"
@@ -56,17 +60,61 @@ def next_checkpoint_dir(directory: Path, epoch: object = None, step: int | None 
 
 
 def complete(path: Path) -> bool:
-    """Whether the directory holds a whole checkpoint; warns (and says why) when it does not."""
-    if (path / ".metadata").is_file() and probe(path / STATE_FILE) is not None:
-        return True
-    if not (path / STATE_FILE).exists() or not (path / ".metadata").exists():
+    """Whether the directory holds a whole, undamaged checkpoint; warns (and says why) if not.
+
+    The checksums are verified before anything in it is unpickled.
+    """
+    if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
         warnings.warn(
             f"skipping {str(path)!r}: it lacks {STATE_FILE} or DCP's .metadata (incomplete, or "
             "altered after it was written); trying an older checkpoint.",
             RuntimeWarning,
             stacklevel=3,
         )
-    return False
+        return False
+    if not (path / SHARDED_MANIFEST).exists() and (why := short_shard(path)):
+        warnings.warn(
+            f"skipping {str(path)!r}: it is torn: {why}; trying an older checkpoint.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    if not intact(path / SHARDED_MANIFEST, path, (STATE_FILE, ".metadata"), path):
+        return False
+    return probe(path / STATE_FILE) is not None
+
+
+def short_shard(path: Path) -> str | None:
+    """Without a manifest: a shard shorter than DCP's ``.metadata`` says it is; None if none is.
+
+    DCP reads ``.metadata`` with pickle when it loads, so reading it here trusts nothing more.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as error:
+        return f"its .metadata cannot be read ({type(error).__name__}: {str(error)[:200]})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        seen = shard.stat().st_size if shard.is_file() else None
+        if seen is None or seen < size:
+            have = "is missing" if seen is None else f"has {seen} bytes"
+            return f"{name!r} {have}, and DCP's .metadata needs {size}"
+    return None
+
+
+def newest_is_sharded(directory: Path) -> bool:
+    """Whether the highest-numbered checkpoint in ``directory`` is a sharded one (loaded or not).
+
+    What ``load_checkpoint`` of an unsharded model decides by: it then reads sharded checkpoints.
+    """
+    dirs, files = checkpoint_dirs(directory), checkpoint_paths(directory)
+    return bool(dirs) and (not files or number_of(dirs[0]) > number_of(files[0]))
 
 
 def newest_checkpoint_dir(directory: Path) -> Path | None:
@@ -107,19 +155,25 @@ def newest_checkpoint_dir(directory: Path) -> Path | None:
 
 
 def prune_dirs(directory: Path, keep: int, newest_good: Path) -> None:
-    """Delete directories older than the newest ``keep``, never ``newest_good`` (known to load).
+    """Delete directories older than the newest ``keep`` that load, never ``newest_good``.
 
-    As for single-file checkpoints, older ones labelled with the same epoch and
-    step as ``newest_good`` are superseded by it and deleted first.
+    As for single-file checkpoints (:func:`~ddpctx.checkpoint.files.prune`),
+    a damaged or torn directory does not count towards ``keep``, and older
+    ones labelled with the same epoch and step as ``newest_good`` are
+    superseded by it and deleted first.
     """
     label = label_of(newest_good, _NAME)
     if label:
         for older in checkpoint_dirs(directory):
             if older != newest_good and label_of(older, _NAME) == label:
                 shutil.rmtree(older, ignore_errors=True)
-    for old in checkpoint_dirs(directory)[keep:]:
-        if old != newest_good:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in beyond_keep(checkpoint_dirs(directory), keep, newest_good, loads):
+        shutil.rmtree(old, ignore_errors=True)
     for stale in directory.glob(".checkpoint-*.dcp.*.tmp"):
         if is_abandoned(stale):  # a killed save's leftovers; never a live writer's
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def loads(path: Path) -> bool:
+    """Whether the sharded checkpoint ``path`` is complete and matches its manifest (no warning)."""
+    return quietly(complete, path)

@@ -1,4 +1,4 @@
-"""``python -m ddpctx`` (also the ``ddpctx`` command): ``env`` and ``check``.
+"""``python -m ddpctx`` (also the ``ddpctx`` command): ``env``, ``check`` and ``export``.
 
 - ``ddpctx env [--json]``: what ddpctx detects here -- launcher, ranks, the
   backend and device ``distributed()`` would choose, GPUs, torch / CUDA /
@@ -15,9 +15,14 @@
   ``GLOO_SOCKET_IFNAME`` that names no interface here is a failed check of
   its own. Exits non-zero, naming what failed. The first thing to run on a
   new cluster.
+- ``ddpctx export CHECKPOINT OUT.pt [--safetensors]``: the checkpoint's (a
+  checkpoint directory's newest that loads, or one ``.pt`` / ``.dcp``)
+  weights as a plain state dict, with its meta, for code outside ddpctx
+  (:mod:`ddpctx.checkpoint.export`). No process group.
 
-The commands live in :mod:`ddpctx.cli.environment` and :mod:`ddpctx.cli.check`;
-this module is the argument parser and the entry point (``console``).
+For maintainers: the commands live in :mod:`ddpctx.cli.environment` and
+:mod:`ddpctx.cli.check`; this module is the argument parser and the entry
+point (``console``).
 
 May import: every subsystem; nothing imports the command line.
 """
@@ -59,6 +64,7 @@ examples:
   ddpctx env
   ddpctx check --world-size 2 --sizes 256,65536
   torchrun --nproc_per_node=8 -m ddpctx check    # the job's own ranks (NCCL on GPUs)
+  ddpctx export runs/demo model.pt               # newest checkpoint that loads -> plain file
 """
 
 
@@ -72,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"ddpctx {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{env,check}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{env,check,export}")
     env = commands.add_parser(
         "env",
         help="what ddpctx detects: launcher, ranks, backend, device, GPUs, versions",
@@ -104,7 +110,35 @@ def _parser() -> argparse.ArgumentParser:
         default="256,65536,1048576",
         help="message sizes in float32 elements (4 bytes each), separated by commas",
     )
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's weights and meta as a plain state dict (.pt or .safetensors)",
+        description="Write a checkpoint's weights (a plain state dict, no DDP/FSDP prefixes) and\n"
+        "its meta to OUT, loadable with torch.load(OUT, weights_only=True) (or safetensors).\n"
+        "CHECKPOINT: a checkpoint directory (its newest checkpoint that loads) or one\n"
+        "checkpoint (.pt or sharded .dcp). One process, no process group.",
+        formatter_class=_HelpFormatter,
+    )
+    export.add_argument("checkpoint", help="checkpoint directory, or one .pt / .dcp checkpoint")
+    export.add_argument("out", help="the file to write (.pt, or .safetensors)")
+    export.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="write safetensors (meta as JSON under 'ddpctx.meta'); needs ddpctx[export]",
+    )
     return parser
+
+
+def _export(checkpoint: str, out: str, safetensors: bool) -> int:
+    from ddpctx.checkpoint.export import export_checkpoint
+
+    try:
+        written = export_checkpoint(checkpoint, out, safetensors=safetensors)
+    except (OSError, ImportError, ValueError, TypeError, RuntimeError) as error:
+        print(f"ddpctx export: {error}", file=sys.stderr)
+        return 1
+    print(f"ddpctx export: wrote {written} ({written.stat().st_size} bytes)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(text + "\n")  # one write: ranks' blocks do not interleave
         sys.stdout.flush()
         return 0 if report.get("problem") is None else 1
+
+    if args.command == "export":
+        return _export(args.checkpoint, args.out, args.safetensors)
 
     if args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be at least 1")

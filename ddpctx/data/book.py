@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +38,12 @@ import torch
 
 from ddpctx.data.loader import ShardLoader
 from ddpctx.data.sampling import Position
+from ddpctx.data.streamloader import SavedStream, StreamLoader
 
-#: What each rank reports per loader at a save: (identity, (epoch, consumed, complete, done)).
-Snapshot = list[tuple[str, tuple[int, int, bool, bytes]]]
+#: What each rank reports per loader at a save: (identity, (epoch, consumed, complete, done)),
+#: or for a stream (identity, its position dict; see StreamLoader.position).
+Snapshot = list[tuple[str, Any]]
+Loader = ShardLoader | StreamLoader
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class SavedLoader:
     batch_size: int
     world_size: int
     position: Position | None  # None: its pass was complete or had not started
+    drop_last: bool = False
 
     @property
     def kind(self) -> str:
@@ -65,20 +69,21 @@ class LoaderBook:
     """The loaders one context made, held weakly, and the positions waiting for them."""
 
     def __init__(self) -> None:
-        self._loaders: list[weakref.ref[ShardLoader]] = []
+        self._loaders: list[weakref.ref[Loader]] = []
         self.epoch: int | None = None  # set by ctx.epochs while its loop runs
-        self._pending: list[SavedLoader] = []
+        self._pending: list[SavedLoader | SavedStream] = []
+        self._before_resumed_pass: Callable[[], None] | None = None
 
-    def live(self) -> list[ShardLoader]:
+    def live(self) -> list[Loader]:
         """The loaders still in use, oldest first."""
         alive = [(ref, ref()) for ref in self._loaders]
         self._loaders = [ref for ref, loader in alive if loader is not None]
         return [loader for _, loader in alive if loader is not None]
 
-    def add(self, loader: ShardLoader) -> None:
+    def add(self, loader: Loader) -> None:
         """Book a new loader: it joins the current epoch and takes its saved position, if any."""
         if self.epoch is not None:
-            loader.shard.set_epoch(self.epoch)
+            _set_epoch(loader, self.epoch)
         others = self.live()
         self._loaders.append(weakref.ref(loader))
         self._claim(loader, others)
@@ -86,7 +91,7 @@ class LoaderBook:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         for loader in self.live():
-            loader.shard.set_epoch(epoch)
+            _set_epoch(loader, epoch)
 
     def snapshot(self) -> Snapshot:
         """This rank's loaders and their positions, for a checkpoint."""
@@ -99,7 +104,7 @@ class LoaderBook:
         records: dict[str, dict[str, Any]] = {}
         for key in keys:
             positions = [[p for k, p in rank if k == key] for rank in everyone]
-            if any(len(set(mine)) > 1 for mine in positions):
+            if any(len(set(map(_comparable, mine))) > 1 for mine in positions):
                 raise ValueError(
                     f"two loaders made by ctx.dataloader are both {key} but have read different "
                     "parts of the epoch, so a checkpoint could not tell which position is "
@@ -110,6 +115,9 @@ class LoaderBook:
                 continue
             mine = [rank[0] for rank in positions]
             loader = live[key]
+            if isinstance(loader, StreamLoader):
+                records[key] = stream_record(key, loader, mine)
+                continue
             records[key] = {
                 "key": key,
                 "description": loader.description,
@@ -121,18 +129,36 @@ class LoaderBook:
                 "length": loader.shard.length,
                 "pad": loader.shard.pad,
                 "batch_size": loader.shard_batch_size,
+                "drop_last": bool(loader.drop_last),
+                "fill": loader.shard.fill,
             }
         return list(records.values())
 
-    def restore(self, saved: list[SavedLoader]) -> None:
-        """Positions from a checkpoint: live loaders take theirs now, later ones when made."""
+    def restore(
+        self,
+        saved: list[SavedLoader | SavedStream],
+        before_resumed_pass: Callable[[], None] | None = None,
+    ) -> None:
+        """Positions from a checkpoint: live loaders take theirs now, later ones when made.
+
+        ``before_resumed_pass`` is called when a loader given a mid-epoch
+        position is about to read the first batch of its resumed pass.
+        """
         self._pending = list(saved)
+        self._before_resumed_pass = before_resumed_pass
         live = self.live()
         for loader in live:
             self._claim(loader, [other for other in live if other is not loader])
 
-    def _claim(self, loader: ShardLoader, others: list[ShardLoader]) -> None:
+    def _claim(self, loader: Loader, others: list[Loader]) -> None:
+        if isinstance(loader, StreamLoader):
+            self._claim_stream(loader, others)
+            return
         for index, saved in enumerate(self._pending):
+            if isinstance(saved, SavedStream):
+                if saved.key == loader.identity:
+                    raise ValueError(_other_kind(loader.identity, "a stream", "a map dataset"))
+                continue
             if not _matches(saved, loader):
                 continue
             twins = [other for other in others if _matches(saved, other)]
@@ -153,8 +179,11 @@ class LoaderBook:
             del self._pending[index]
             if saved.position is not None:
                 loader.resume(saved.position)
+                loader.before_resumed_pass = self._before_resumed_pass
             return
         for saved in self._pending:
+            if isinstance(saved, SavedStream):
+                continue
             resized = saved.kind == _kind(loader) and saved.length != loader.shard.length
             if saved.position is not None and saved.key != loader.identity and resized:
                 raise ValueError(
@@ -164,6 +193,78 @@ class LoaderBook:
                     "the same data, or give the loaders names (name='train') so a new "
                     "dataset is not mistaken for the old one."
                 )
+
+    def _claim_stream(self, loader: StreamLoader, others: list[Loader]) -> None:
+        for index, saved in enumerate(self._pending):
+            if saved.key != loader.identity:
+                continue
+            if not isinstance(saved, SavedStream):
+                raise ValueError(_other_kind(loader.identity, "a map-style dataset", "a stream"))
+            twins = [other for other in others if other.identity == loader.identity]
+            if twins and saved.position is not None:
+                raise ValueError(
+                    f"two loaders made by ctx.dataloader are both {loader.identity}, and the "
+                    "checkpoint holds one mid-epoch position for that: which of them should "
+                    "resume is ambiguous. Give them names, ctx.dataloader(..., name='train') "
+                    "and (..., name='val'), in the run that saves and in the one that resumes."
+                )
+            if saved.description != loader.description:
+                raise ValueError(
+                    f"the loader {loader.identity} reads {loader.description}, but when the "
+                    f"checkpoint was saved it read {saved.description}: the data changed, so "
+                    "its position cannot be resumed. Resume with the same data, or give the "
+                    "new loader another name."
+                )
+            if saved.position is not None:  # refused: the position waits for a loader that fits
+                loader.resume(saved, loader.shard.rank, loader.shard.world_size)
+                loader.before_resumed_pass = self._before_resumed_pass
+            del self._pending[index]
+            return
+
+
+def _set_epoch(loader: Loader, epoch: int) -> None:
+    if isinstance(loader, StreamLoader):
+        loader.set_epoch(epoch)
+    else:
+        loader.shard.set_epoch(epoch)
+
+
+def _other_kind(identity: str, saved: str, now: str) -> str:
+    return (
+        f"the checkpoint holds the position of {identity} reading {saved}, but the loader "
+        f"{identity} now reads {now}: the data changed, so its position cannot be resumed. "
+        "Resume with the same data, or give the new loader another name."
+    )
+
+
+def _comparable(position: Any) -> Any:
+    """A position as a hashable value (a stream's: its epoch, counts and completeness)."""
+    if isinstance(position, dict):
+        return (position["epoch"], position["batches"], position["complete"])
+    return position
+
+
+def stream_record(
+    key: str, loader: StreamLoader, positions: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """What a checkpoint saves for a stream loader: every rank's position, and how it read."""
+    return {
+        "key": key,
+        "kind": "stream",
+        "description": loader.description,
+        "epoch": positions[0]["epoch"],
+        "world_size": len(positions),
+        "workers": loader.slots,
+        "split": loader.shard.split,
+        "complete": all(position["complete"] for position in positions),
+        "ranks": positions,
+        # what older readers of every record expect: no map-style position here
+        "consumed": [0] * len(positions),
+        "done": torch.zeros(0, dtype=torch.uint8),
+        "length": 0,
+        "pad": loader.shard.drop_last,
+        "batch_size": loader.shard.batch_size,
+    }
 
 
 def without_length(description: str) -> str:
@@ -175,16 +276,29 @@ def _kind(loader: ShardLoader) -> str:
     return without_length(loader.description)
 
 
-def _matches(saved: SavedLoader, loader: ShardLoader) -> bool:
+def _matches(saved: SavedLoader, loader: Loader) -> bool:
+    if isinstance(loader, StreamLoader):
+        return False
     if saved.key is None:  # an older checkpoint: length and padding are all it recorded
         return saved.length == loader.shard.length and saved.pad == loader.shard.pad
     return saved.key == loader.identity
 
 
-def saved_loaders(records: list[dict[str, Any]]) -> list[SavedLoader]:
+def saved_loaders(records: list[dict[str, Any]]) -> list[SavedLoader | SavedStream]:
     """The loaders a checkpoint's records describe."""
     return [
-        SavedLoader(
+        SavedStream(
+            key=str(record["key"]),
+            description=str(record["description"]),
+            epoch=int(record["epoch"]),
+            world_size=int(record["world_size"]),
+            workers=int(record["workers"]),
+            split=str(record["split"]),
+            ranks=tuple(record["ranks"]),
+            complete=bool(record["complete"]),
+        )
+        if record.get("kind") == "stream"
+        else SavedLoader(
             key=record.get("key"),
             description=str(record.get("description", "")),
             length=int(record["length"]),
@@ -192,6 +306,7 @@ def saved_loaders(records: list[dict[str, Any]]) -> list[SavedLoader]:
             batch_size=int(record.get("batch_size", 0)),
             world_size=int(record["world_size"]),
             position=_position(record),
+            drop_last=bool(record.get("drop_last", False)),
         )
         for record in records
     ]
@@ -206,4 +321,5 @@ def _position(record: dict[str, Any]) -> Position | None:
         world_size=int(record["world_size"]),
         consumed=tuple(int(c) for c in record["consumed"]),
         done=bytes(done.cpu().numpy().tobytes()) if done.numel() else b"",
+        fill=int(record.get("fill", 1)),
     )

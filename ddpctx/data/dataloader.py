@@ -38,6 +38,8 @@ from torch.utils.data import Dataset, IterableDataset
 from ddpctx.data.generators import warn_private_generators
 from ddpctx.data.loader import SeededBatches, ShardLoader
 from ddpctx.data.sampling import ShardSampler
+from ddpctx.data.streambuild import make_stream_loader
+from ddpctx.data.streamloader import StreamLoader
 from ddpctx.utils.seeding import seed_worker, worker_seed
 
 __all__ = ["SeedWorkers", "ShardSampler", "epochs", "make_dataloader"]
@@ -120,8 +122,13 @@ def make_dataloader(
     loader_kwargs: dict[str, Any],
     device: torch.device | None = None,
     name: str | None = None,
-) -> ShardLoader:
+    shuffle_buffer: int | None = None,
+    agree: Callable[[int], int] | None = None,
+) -> ShardLoader | StreamLoader:
     """A DataLoader over this rank's shard; its ``shard`` is what :func:`epochs` advances.
+
+    An ``IterableDataset`` gets a :class:`~ddpctx.data.streamloader.StreamLoader`
+    (:mod:`ddpctx.data.streambuild`); ``shuffle_buffer`` and ``agree`` are for it.
 
     ``device``: move every batch there (None: leave batches where the dataset
     put them). ``pin_memory`` defaults to True only when ``device`` is CUDA.
@@ -131,10 +138,25 @@ def make_dataloader(
     """
     shuffle, pad = _flag("shuffle", shuffle), _flag("pad", pad)
     if isinstance(dataset, IterableDataset):
-        raise TypeError(
-            f"ctx.dataloader() shards map-style datasets (with __len__ and __getitem__); got "
-            f"{type(dataset).__name__}: an IterableDataset must shard itself, e.g. by reading "
-            "every ctx.world_size-th item from ctx.rank on, in a plain DataLoader."
+        return make_stream_loader(
+            dataset,
+            batch_size,
+            shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
+            pad=pad,
+            base_seed=base_seed,
+            rank=rank,
+            world_size=world_size,
+            loader_kwargs=loader_kwargs,
+            device=device,
+            name=name,
+            agree=agree,
+        )
+    if shuffle_buffer is not None:
+        raise ValueError(
+            f"ctx.dataloader(shuffle_buffer={shuffle_buffer!r}) got a map-style "
+            f"{type(dataset).__name__}: the buffer shuffles streams (IterableDataset). Use "
+            "shuffle=True, which permutes the whole dataset, and drop shuffle_buffer."
         )
     if not isinstance(dataset, Sized):
         raise TypeError(
@@ -160,8 +182,11 @@ def make_dataloader(
         raise ValueError(f"name={name!r} must be a non-empty str (e.g. name='train'), or None.")
     if rank == 0:
         warn_private_generators(dataset, loader_kwargs.get("collate_fn"))
-    sampler = ShardSampler(len(dataset), world_size, rank, shuffle=shuffle, seed=base_seed, pad=pad)
     drop_last = bool(loader_kwargs.pop("drop_last", False))
+    fill = batch_size if drop_last else 1  # a resized epoch then drops no sample (sampling.py)
+    sampler = ShardSampler(
+        len(dataset), world_size, rank, shuffle=shuffle, seed=base_seed, pad=pad, fill=fill
+    )
     batches = SeededBatches(sampler, batch_size, drop_last, base_seed)
     init = SeedWorkers(base_seed, rank, sampler, loader_kwargs.pop("worker_init_fn", None))
     loader_kwargs.setdefault("pin_memory", device is not None and device.type == "cuda")

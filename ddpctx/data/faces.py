@@ -26,7 +26,10 @@ class DataFaces:
     device: torch.device
     base_seed: int | None
     barrier: Callable[[], None]
+    all_reduce: Callable[..., Any]
     _loader_book: LoaderBook
+    #: Wraps every pass's batch iterator (the session's step timings); None: untimed.
+    _timed: Callable[[Iterator[Any]], Iterator[Any]] | None = None
 
     def dataloader(
         self,
@@ -36,6 +39,7 @@ class DataFaces:
         pad: bool = True,
         device: torch.device | str | None = "auto",
         name: str | None = None,
+        shuffle_buffer: int | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader over this rank's shard of ``dataset`` (see :mod:`ddpctx.data.dataloader`).
@@ -59,6 +63,20 @@ class DataFaces:
         ...     loader = ctx.dataloader(list(range(10)), batch_size=4, shuffle=True)
         ...     [len(batch) for batch in loader]
         [4, 4, 2]
+
+        An ``IterableDataset`` (a stream) is split between ranks and workers so
+        each sample of an epoch is read by one of them, and every rank ends
+        the epoch at the same step (``pad=True``; the remainder rule and
+        ``shuffle_buffer=N`` are in the "Streaming data" guide). Its position
+        is checkpointed too.
+
+        >>> from torch.utils.data import IterableDataset
+        >>> class Lines(IterableDataset):
+        ...     def __iter__(self):
+        ...         return iter(range(5))
+        >>> with distributed(seed=0) as ctx:
+        ...     [batch.tolist() for batch in ctx.dataloader(Lines(), batch_size=2)]
+        [[0, 1], [2, 3], [4]]
         """
         target = self.device if isinstance(device, str) and device == "auto" else device
         loader = make_dataloader(
@@ -72,9 +90,16 @@ class DataFaces:
             loader_kwargs=loader_kwargs,
             device=None if target is None else loader_device(target),
             name=name,
+            shuffle_buffer=shuffle_buffer,
+            agree=self._fewest,
         )
+        loader.timed = self._timed
         self._loader_book.add(loader)
         return loader
+
+    def _fewest(self, count: int) -> int:
+        """The smallest ``count`` over the ranks: how many batches every rank can still read."""
+        return int(self.all_reduce(count, op="min"))
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
         """Epochs ``start .. n-1``; ``set_epoch`` on every loader before each, a barrier after.

@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -209,6 +209,10 @@ class ShardLoader(DataLoader[Any]):
         self._non_blocking = device is not None and device.type == "cuda" and self.pin_memory
         self._pass = _PassState()
         self.shard_batch_size = batches.batch_size
+        #: Called once, when a pass resumed mid-epoch is about to read its first batch.
+        self.before_resumed_pass: Callable[[], None] | None = None
+        #: Wraps each pass's batch iterator (the step timings of ``distributed()``); None: none.
+        self.timed: Callable[[Iterator[Any]], Iterator[Any]] | None = None
 
     @property
     def description(self) -> str:
@@ -225,6 +229,10 @@ class ShardLoader(DataLoader[Any]):
         return f"name={self.name!r}" if self.name is not None else self.description
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        hook = self.before_resumed_pass
+        if hook is not None and 0 < self.start < len(self):  # a resumed epoch with batches left
+            self.before_resumed_pass = None
+            hook()
         state = self._pass  # one object, reset in place: iterators of the loader share it
         state.epoch = self.shard.epoch
         state.available = len(self.shard)  # before the pass consumes the resume point
@@ -232,6 +240,8 @@ class ShardLoader(DataLoader[Any]):
         state.complete = False
         state.running = True
         batches = self._start_pass()
+        if self.timed is not None:
+            batches = self.timed(batches)
         device, non_blocking = self.target_device, self._non_blocking
         try:
             for batch in batches:

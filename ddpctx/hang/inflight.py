@@ -54,6 +54,7 @@ import functools
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +170,8 @@ class Tracker:
     gpu_pending: tuple[Any, str, float] | None = None  # (CUDA event, op, since)
     failure: HangError | None = None  # set by the watchdog under on_hang="raise"
     backward_sync: str | None = None  # DDP_BACKWARD / FSDP_BACKWARD: the next backward waits
+    wait_total: float = 0.0  # seconds the main thread spent waiting, all tracked waits together
+    grad_ready: float = 0.0  # when a DDP model's last gradient was ready (its backward's compute)
 
     def run(
         self,
@@ -195,6 +198,7 @@ class Tracker:
         finally:
             self.op = None
             self.completed += 1
+            self.wait_total += time.monotonic() - self.since
         if self.failure is not None:  # on_hang="raise": the wait ended, the job still ends
             raise self.failure
         return result
@@ -241,7 +245,10 @@ def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Cal
             checked = None if name in POINT_TO_POINT else check
             replace(dist, name, _collective(tracker, name, original, checked, cuda, main))
     replace(torch.autograd, "backward", _backward(tracker, torch.autograd.backward, cuda, main))
-    replace(DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel))
+    marks: list[Any] = []  # the gradient hooks put on DDP models' parameters; removed by undo
+    replace(
+        DistributedDataParallel, "forward", _ddp_forward(tracker, DistributedDataParallel, marks)
+    )
 
     def hook_fsdp() -> bool:
         """Hook FSDP2's root forward once FSDP2 is loaded; True when hooked (now or before)."""
@@ -268,6 +275,8 @@ def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Cal
             _FSDP_HOOKS.remove(hook_fsdp)
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
+        for handle in marks:
+            handle.remove()
 
     return undo
 
@@ -320,6 +329,7 @@ def _collective(
         finally:
             tracker.op = None
             tracker.completed += 1
+            tracker.wait_total += monotonic() - tracker.since
         if tracker.failure is not None:  # on_hang="raise": the wait ended, the job still ends
             raise tracker.failure
         if cuda:
@@ -406,7 +416,11 @@ def _backward(
         if label is None or tracker.op is not None or get_ident() != main:
             return original(*args, **kwargs)
         tracker.backward_sync = None
+        tracker.grad_ready = 0.0
+        start = time.monotonic()
         result = tracker.run(label, lambda: original(*args, **kwargs))
+        if tracker.grad_ready > start:  # the backward's own compute is not a wait for the peers
+            tracker.wait_total -= tracker.grad_ready - start
         if cuda:
             _note_gpu_work(tracker, label)
         return result
@@ -414,13 +428,31 @@ def _backward(
     return tracked
 
 
-def _ddp_forward(tracker: Tracker, ddp: type[DistributedDataParallel]) -> Callable[..., Any]:
+def _ddp_forward(
+    tracker: Tracker, ddp: type[DistributedDataParallel], marks: list[Any]
+) -> Callable[..., Any]:
+    """DDP's forward, noting that the next backward waits; its parameters note their gradients.
+
+    The time of the last gradient splits that backward into this rank's compute and its
+    wait for the others (:mod:`ddpctx.watch.clock`): one hook per parameter, put on at the
+    model's first forward and taken off with the install.
+    """
     original: Callable[..., Any] = ddp.forward
+    marked: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+    monotonic = time.monotonic
+
+    def ready(_: torch.Tensor) -> None:
+        tracker.grad_ready = monotonic()
 
     @functools.wraps(original)
     def forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             tracker.backward_sync = DDP_BACKWARD
+            if self not in marked:
+                marked.add(self)
+                for parameter in self.module.parameters():
+                    if parameter.requires_grad:
+                        marks.append(parameter.register_post_accumulate_grad_hook(ready))
         return original(self, *args, **kwargs)
 
     return forward

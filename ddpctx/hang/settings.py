@@ -2,9 +2,11 @@
 
 Pure: reads the values passed and the environment (``DDPCTX_HANG_TIMEOUT``,
 ``DDPCTX_DEBUG``), touches nothing else. A bad value is a ``ValueError`` that
-names it and suggests a value that is accepted. Layering: below
-:mod:`ddpctx.hang.watchdog`, which runs what these settings describe, and
-:mod:`ddpctx.session.context`, which resolves them on entering ``distributed()``.
+names it and suggests a value that is accepted.
+
+Layering: below :mod:`ddpctx.hang.watchdog`, which runs what these settings
+describe, and :mod:`ddpctx.session.context`, which resolves them on entering
+``distributed()``.
 
 Example:
     >>> settings = resolve_hang_settings(None, "report", False, 600.0, {})

@@ -1,6 +1,6 @@
 """The hang doctor: a watchdog thread per rank that reports (or ends) a job that stopped moving.
 
-Contract (``DESIGN.md`` section 9). With ``hang_timeout > 0`` every rank runs a
+With ``hang_timeout > 0`` every rank runs a
 daemon thread that wakes once a second and reads this rank's
 :class:`~ddpctx.hang.inflight.Tracker`. When this rank has waited in one collective
 for ``hang_timeout`` seconds it opens an *incident* in the job's store; every
@@ -264,12 +264,16 @@ class Doctor:
     ends the thread and puts torch's functions back, and is safe to call twice.
     """
 
-    def __init__(self, settings: HangSettings, rank: int, world_size: int, cuda: bool) -> None:
+    def __init__(
+        self, settings: HangSettings, rank: int, world_size: int, cuda: bool, track: bool = False
+    ) -> None:
         self._undo: Callable[[], None] | None = None
         self._watchdog: Watchdog | None = None
-        if not settings.active:
+        #: What this rank's main thread waits in, and how many collectives it entered.
+        self.tracker: Tracker | None = None
+        if not settings.active and not track:  # track: the step timings read the tracker
             return
-        tracker = Tracker()
+        tracker = self.tracker = Tracker()
         check = Lockstep() if settings.debug else None
         self._undo = install(tracker, check=check, cuda=cuda)
         if settings.hang_timeout > 0:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from ddpctx.launching.worker import Outcome
+from ddpctx.session.departures import NOTE_PREFIX, note_of
 from ddpctx.utils.errors import is_follow_on
 
 
@@ -107,12 +108,19 @@ def root_cause(outcomes: dict[int, Outcome]) -> Outcome | None:
 def lost_peer_hint(first: Outcome, outcomes: dict[int, Outcome]) -> str:
     """What to say when ``first`` only lost its peer and some ranks had returned normally.
 
-    No rank failed on its own: one left while another still waited for it in
-    a collective, which gloo reports as a remote worker crashing. "" otherwise.
+    No rank failed on its own: a peer left while ``first`` still waited for it,
+    which gloo reports as a remote worker crashing. The failing rank's own
+    account wins (:mod:`ddpctx.session.departures`: it knows whether the peers
+    had issued its collective -- a collective on some ranks only -- or had
+    taken part and left -- calls that did not match, such as tensors of
+    different shapes). Without it: the generic hint. "" otherwise.
     """
     finished = sorted(o.rank for o in outcomes.values() if o.kind == "ok")
     if not finished or not is_follow_on(first.error_text):
         return ""
+    own = note_of(first.error)
+    if own:
+        return own.removeprefix(NOTE_PREFIX)
     who = f"rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))}"
     return (
         f"{who} had already finished while rank {first.rank} was waiting in a collective, "

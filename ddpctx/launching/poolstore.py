@@ -15,7 +15,7 @@ does under any launcher).
 
 Off the network: the parent binds the listening socket to ``127.0.0.1``
 before it forks (a ``TCPStore`` left to bind for itself listens on every
-interface, DESIGN §8) and rank 0's store serves that very socket. The other
+interface, whatever host name it is given) and rank 0's store serves that very socket. The other
 ranks close their inherited copy and connect to its port. Like the loopback
 sockets of gloo's own transport, the port is reachable by local processes
 only, for as long as the pool lives.

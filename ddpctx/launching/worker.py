@@ -6,7 +6,8 @@ group and ``distributed()``, and sends back an :class:`Outcome`: the value, a
 ``pytest.skip``, or the exception (rebuilt in the parent if it pickles) with
 its traceback text starting at the user's own frames.
 
-Set up once per worker: die with the parent (``PR_SET_PDEATHSIG``), ignore
+Set up once per worker: die with the parent (``PR_SET_PDEATHSIG``), and so
+does every process the rank started (a watcher kills its process group), ignore
 Ctrl-C (the parent handles it), send stdout/stderr -- Python and C level -- to
 files the parent reads per task, dump every thread's stack on SIGUSR1, and
 run torch with one intra-op thread (the parent's OpenMP pool does not survive
@@ -80,6 +81,37 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _end_group_with_rank() -> None:
+    """Fork a watcher that SIGKILLs this rank's process group once the rank is gone.
+
+    ``PR_SET_PDEATHSIG`` ends the rank with its parent (a SIGKILLed pytest),
+    but not what the rank started -- DataLoader workers, a test's own
+    subprocesses -- which would live on as orphans. They are in the rank's
+    process group, and so is the watcher: told of the rank's death by a
+    death signal of its own, it kills the whole group, itself included. The
+    watcher makes system calls only (no Python state of the rank is used).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    rank = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})  # before fork: none is lost
+    try:
+        pid = os.fork()
+    except OSError:
+        pid = -1
+    if pid != 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+        return
+    try:  # the watcher
+        os.closerange(0, 4096)  # the rank's pipes and sockets: never held open by it
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
+        if os.getppid() == rank:  # else the rank is already gone
+            signal.sigwait({signal.SIGHUP})
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
 def _redirect_output(directory: Path, rank: int) -> tuple[Path, Path]:
     """Send this worker's stdout/stderr (Python and C level) to files."""
     out_path, err_path = directory / f"rank{rank}.out", directory / f"rank{rank}.err"
@@ -104,7 +136,13 @@ def worker_main(
     # A process group of its own: the parent can end the rank together with every process
     # the rank started (DataLoader workers, a user's subprocesses) with one killpg.
     os.setpgid(0, 0)
+    _end_group_with_rank()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Handlers the parent installed (launch()'s, the plugin's pool closer) are the parent's:
+    # run in a rank they would act on the parent's copied state. A rank starts from the
+    # defaults, so that distributed() turns SIGTERM into SystemExit here too.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the parent while forking
     out_path, err_path = _redirect_output(directory, rank)
     stacks = open(directory / f"rank{rank}.stack", "w")  # noqa: SIM115 -- worker lifetime
@@ -305,7 +343,8 @@ def _agreed_port(store: Any, rank: int) -> str:
     return bytes(store.get("ddpctx/master_port")).decode()
 
 
-_PACKAGE = str(Path(__file__).resolve().parents[1])  # the ddpctx package, not this subpackage
+#: The ddpctx package (not this subpackage), as a folder: a user's ddpctx_extras/ is not in it.
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
 def _user_frames(error: BaseException) -> Any:

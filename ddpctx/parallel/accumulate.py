@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ddpctx.data.loader import ShardLoader
+from ddpctx.data.streamloader import StreamLoader
 
 
 def no_sync(
@@ -63,6 +64,13 @@ class Accumulation:
             raise ValueError(
                 f"every={every!r} must be a positive int: the number of micro-batches per "
                 "optimizer step, e.g. ctx.accumulate(model, every=4)."
+            )
+        if isinstance(loader, StreamLoader):
+            raise TypeError(
+                "loader= is ctx.dataloader's loader over a stream (an IterableDataset), whose "
+                "number of batches per epoch is not known ahead, so the epoch's last "
+                "micro-batches cannot be told apart. Leave loader= out: micro-batches are then "
+                "counted from the start, and an epoch's last partial group is stepped by you."
             )
         if loader is not None and not isinstance(loader, ShardLoader):
             raise TypeError(

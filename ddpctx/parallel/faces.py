@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,16 @@ from torch.utils.data import DataLoader
 from ddpctx.parallel.accumulate import Accumulation, no_sync
 from ddpctx.parallel.clipping import clip_grad_norm
 from ddpctx.parallel.precision import Precision
-from ddpctx.parallel.sharding import DEFAULT_MIN_PARAMS, BlockPolicy, full_state_dict, shard_model
+from ddpctx.parallel.sharding import (
+    DEFAULT_MIN_PARAMS,
+    BlockPolicy,
+    check_shardable,
+    full_state_dict,
+    refuse_flattening_optimizers,
+    shard_model,
+    sharding_of,
+)
+from ddpctx.parallel.shardstart import on_meta, start_like_rank0
 from ddpctx.parallel.wrapping import unwrap_model
 
 
@@ -54,6 +63,14 @@ class ModelFaces:
             raise ValueError(
                 "wrap() got a model that is already DistributedDataParallel; pass the bare "
                 "module (ctx.unwrap(model)) or use it as it is."
+            )
+        sharded = sharding_of(model)
+        if sharded is not None:
+            raise ValueError(
+                f"wrap() got a sharded model ({sharded}: its parameters are split across "
+                "ranks), which DistributedDataParallel cannot wrap. A model is either "
+                "replicated (ctx.wrap) or sharded (ctx.shard), not both: use the sharded "
+                "model as it is, or pass ctx.wrap a model that was never sharded."
             )
         model = self._precision.prepare(model.to(self.device))
         if self.device.type == "cuda":
@@ -86,9 +103,21 @@ class ModelFaces:
         *,
         blocks: BlockPolicy | None = None,
         min_params: int = DEFAULT_MIN_PARAMS,
+        full_state_dict: Mapping[str, Any] | None = None,
         **fsdp_kwargs: Any,
     ) -> nn.Module:
         """Move ``model`` to :attr:`device` and shard it with FSDP2 ``fully_shard``, block by block.
+
+        Every rank starts from rank 0's weights, as with :meth:`wrap`: rank
+        0's parameters and buffers are broadcast first, so a rank-offset
+        seed or ``if ctx.is_main: model.load_state_dict(pretrained)`` gives
+        the same model at every world size. A model too big for one rank is
+        built under ``with torch.device("meta"):`` and passed with
+        ``full_state_dict=`` -- rank 0's weights (e.g. ``torch.load(path,
+        mmap=True, weights_only=True) if ctx.is_main else None``; other ranks'
+        value is not read): it is sharded on the meta device, materialised
+        on :attr:`device`, and each rank receives only its shards. Buffers
+        made on a real device (a rotary table) are kept.
 
         Each block (by default every child of an ``nn.ModuleList`` and any
         submodule holding ``min_params`` parameters no smaller block holds;
@@ -98,8 +127,11 @@ class ModelFaces:
         ``fsdp_kwargs`` go to ``fully_shard`` (e.g.
         ``reshard_after_forward=False``). Each rank then holds about
         ``1/world_size`` of the weights, gradients and optimizer state.
-        Create the optimizer *after* sharding; save with
-        :meth:`save_checkpoint` (every rank writes its shards).
+        Create the optimizer *after* sharding, one that works per parameter
+        (SGD, Adam, AdamW, ...): LBFGS flattens all parameters into one
+        vector, which sharded ``DTensor``s cannot do (refused at its first
+        ``step``; use :meth:`wrap` for it). Save with :meth:`save_checkpoint`
+        (every rank writes its shards).
 
         >>> from ddpctx import distributed
         >>> with distributed() as ctx:
@@ -107,24 +139,39 @@ class ModelFaces:
         ...     type(next(model.parameters())).__name__
         'DTensor'
         """
+        check_shardable(model, min_params)
         policy = self._precision.fsdp_policy()
         block_kwargs: dict[str, Any] = {}
+        batch_norm_kwargs: dict[str, Any] | None = None
         if policy is not None and "mp_policy" not in fsdp_kwargs:
             fsdp_kwargs["mp_policy"] = policy
             # only the root casts its output to float32: blocks hand bf16 on to the next block
             block_kwargs["mp_policy"] = dataclasses.replace(policy, output_dtype=None)
-        model = self._precision.prepare(model.to(self.device))
-        sharded = shard_model(
+            # batch norm's running statistics are float32 buffers: its weights must be too
+            float32 = dataclasses.replace(policy, param_dtype=None, output_dtype=None)
+            batch_norm_kwargs = {"mp_policy": float32}
+        model = self._precision.prepare(model if on_meta(model) else model.to(self.device))
+        mesh = self.mesh
+        sharded = start_like_rank0(
             model,
-            self.mesh,
-            blocks=blocks,
-            min_params=min_params,
-            block_kwargs=block_kwargs,
-            **fsdp_kwargs,
+            lambda bare: shard_model(
+                bare,
+                mesh,
+                blocks=blocks,
+                min_params=min_params,
+                block_kwargs=block_kwargs,
+                batch_norm_kwargs=batch_norm_kwargs,
+                **fsdp_kwargs,
+            ),
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            full_state_dict=full_state_dict,
         )
         if self._after_shard is not None:
             self._after_shard()
-        return self._precision.wrap_forward(sharded, sharded=True)
+        refuse_flattening_optimizers()
+        return self._precision.wrap_forward(sharded)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for the run's mixed precision (a no-op block otherwise).
@@ -179,10 +226,12 @@ class ModelFaces:
         return clip_grad_norm(model, max_norm, norm_type, error_if_nonfinite)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The whole model's weights on rank 0, on CPU (an empty dict on other ranks).
+        """A snapshot of the whole model's weights on rank 0, on CPU (an empty dict on other ranks).
 
-        For a sharded model every rank must call it (the shards are gathered);
-        use it for ``save_pretrained``, export or evaluation on one process.
+        Every tensor is a fresh copy: later optimizer steps leave it alone, so
+        ``best = ctx.full_state_dict(model)`` keeps the best weights. For a
+        sharded model every rank must call it (the shards are gathered); use
+        it for ``save_pretrained``, export or evaluation on one process.
 
         >>> from ddpctx import distributed
         >>> with distributed() as ctx:
@@ -195,9 +244,10 @@ class ModelFaces:
     def unwrap(model: nn.Module) -> nn.Module:
         """The bare module inside DDP (and ``torch.compile``) wrappers.
 
-        >>> from ddpctx import DistContext
+        >>> from ddpctx import distributed
         >>> layer = torch.nn.Linear(2, 1)
-        >>> ModelFaces.unwrap(layer) is layer
+        >>> with distributed() as ctx:
+        ...     ctx.unwrap(ctx.wrap(layer)) is layer
         True
         """
         return unwrap_model(model)

@@ -5,7 +5,8 @@
 =================  ==========================================  ==================================
 ``"32"``           float32, as without the switch               float32
 ``"bf16-mixed"``   forward under ``torch.autocast(bfloat16)``   ``MixedPrecisionPolicy``: bf16
-                   float32 weights, outputs cast to float32     compute, float32 gradient reduce
+                   float32 weights, outputs cast to float32     compute, float32 gradient reduce,
+                                                                and autocast (float32 buffers)
 ``"16-mixed"``     autocast(float16) + ``ctx.scaler``           the same, float16, + ``ctx.scaler``
                    (a ``GradScaler``; CUDA only)                (CUDA only)
 ``"bf16-true"``    weights and compute in bfloat16              weights and compute in bfloat16
@@ -94,15 +95,18 @@ class Precision:
         """Cast the weights for ``"bf16-true"``; leave them float32 otherwise."""
         return model.to(torch.bfloat16) if self.name == "bf16-true" else model
 
-    def wrap_forward(self, model: nn.Module, sharded: bool = False) -> nn.Module:
+    def wrap_forward(self, model: nn.Module) -> nn.Module:
         """Give ``model``'s forward the run's precision, with float32 outputs.
 
-        Mixed precisions run the forward under autocast (for a sharded model
-        FSDP2's policy does that instead); ``"bf16-true"`` casts floating
-        inputs to bfloat16, as the weights are, so float32 batches from any
-        loader work. Under ``"32"`` the model is left alone.
+        Mixed precisions run the forward under autocast, also for a sharded
+        model: FSDP2's policy casts the parameters and inputs, but not the
+        buffers, so a float32 buffer met in the forward (a rotary table
+        combined with bf16 queries) would otherwise give float32 next to bf16
+        -- autocast resolves it as it does under DDP. ``"bf16-true"`` casts
+        floating inputs to bfloat16, as the weights are, so float32 batches
+        from any loader work. Under ``"32"`` the model is left alone.
         """
-        if self.name == "bf16-true" or (self.mixed and not sharded):
+        if self.name == "bf16-true" or self.mixed:
             model.forward = _precision_forward(model, self)
         return model
 

@@ -8,4 +8,25 @@
 - :mod:`~ddpctx.rankzero.faces`: those blocks on the context.
 
 May import: :mod:`ddpctx.utils`, :mod:`ddpctx.reduce`.
+
+The names of the module ``ddpctx.rankzero`` this package replaced still import from it,
+with a ``DeprecationWarning`` naming their new home.
 """
+
+from __future__ import annotations
+
+from ddpctx.utils.moved import moved_attributes
+
+__getattr__ = moved_attributes(
+    __name__,
+    {
+        "Outcome": "ddpctx.rankzero.outcome",
+        "Place": "ddpctx.utils.identity",
+        "RankZeroError": "ddpctx.rankzero.outcome",
+        "inside_rank_zero_work": "ddpctx.rankzero.outcome",
+        "on_rank_zero": "ddpctx.rankzero.outcome",
+        "running_alone": "ddpctx.rankzero.outcome",
+        "share": "ddpctx.rankzero.outcome",
+        "zero_first": "ddpctx.rankzero.outcome",
+    },
+)

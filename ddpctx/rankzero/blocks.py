@@ -35,32 +35,31 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpctx.rankzero.outcome import (
-    Outcome,
-    inside_rank_zero_work,
-    refuse_inside_first,
-    running_alone,
-    share,
-)
+from ddpctx.rankzero.outcome import Outcome, refuse_inside_first, share
+from ddpctx.reduce.guard import inside_rank_zero_work, running_alone
 from ddpctx.utils.atomic import remove_abandoned, replace_dir, temporary_name
 from ddpctx.utils.identity import Place
 
 
 @contextlib.contextmanager
-def rank_zero_block(place: Place, local: bool = False) -> Iterator[bool]:
+def rank_zero_block(
+    place: Place, local: bool = False, what: str = "a ctx.rank_zero() block"
+) -> Iterator[bool]:
     """Yield True on (local) rank 0 and False elsewhere; on exit every rank waits for rank 0.
 
     A failure inside rank 0's block is raised on every rank. Inside other
     rank-zero work the block simply runs where it is (nobody else is there to
     wait), and rank-zero work inside the block runs directly too, as inside a
-    ``@rank_zero_only`` function (see :mod:`ddpctx.rankzero.outcome`).
+    ``@rank_zero_only`` function (see :mod:`ddpctx.rankzero.outcome`). A collective
+    inside rank 0's block is refused at once (see :mod:`ddpctx.reduce.guard`); ``what``
+    names the block in that error.
     """
     nested = inside_rank_zero_work()
     if nested == "first":
         refuse_inside_first("a rank_zero() block or atomic_dir()")
     if nested == "function":
         main = place.is_zero(local)
-        with running_alone("function"):
+        with running_alone("function", what):
             yield main
         return
     if not place.is_zero(local):
@@ -69,7 +68,7 @@ def rank_zero_block(place: Place, local: bool = False) -> Iterator[bool]:
         outcome.result(source)  # RankZeroError if rank 0's block failed
         return
     try:
-        with running_alone("function"):  # nested waits must not wait for the others
+        with running_alone("function", what):  # nested waits must not wait for the others
             yield True
     except BaseException as error:  # Ctrl-C and sys.exit() too: the others must not wait
         share(Outcome.failure(error), place, local)
@@ -108,7 +107,7 @@ def replaceable(path: Path) -> Path:
 @contextlib.contextmanager
 def atomic_dir(place: Place, path: Path) -> Iterator[Path | None]:
     """Rank 0 writes a directory into the yielded temporary path; it replaces ``path`` whole."""
-    with rank_zero_block(place) as main:
+    with rank_zero_block(place, what="a ctx.atomic_dir() block") as main:
         if not main:
             yield None
             return

@@ -33,18 +33,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
-from ddpctx.rankzero.outcome import on_rank_zero, running_alone, zero_first
+from ddpctx.rankzero.outcome import on_rank_zero, zero_first
 from ddpctx.reduce.collectives import (
-    Reduction,
     Site,
     all_reduce_tree,
     check_op,
     failed_reduction,
     report_failure,
 )
+from ddpctx.reduce.guard import check_caller, running_alone
+from ddpctx.reduce.handles import Reduction
 from ddpctx.reduce.packing import OpSpec
 from ddpctx.utils.identity import whoami
 
@@ -106,7 +108,10 @@ def rank_zero_only(
 
     With ``barrier`` or ``broadcast``, an exception on rank 0 is raised on
     every rank: rank 0 re-raises its own, the others raise
-    :class:`~ddpctx.RankZeroError` carrying rank 0's traceback.
+    :class:`~ddpctx.RankZeroError` carrying rank 0's traceback. A generator or
+    ``async`` function cannot take ``barrier`` or ``broadcast`` (a ``TypeError`` when
+    decorating): its body would run when consumed, after the others stopped waiting.
+    Collectives inside the function are refused (only rank 0 runs it).
 
     Example:
         >>> @rank_zero_only(broadcast=True)
@@ -117,6 +122,11 @@ def rank_zero_only(
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        what = f"rank_zero_only function {getattr(func, '__qualname__', func)!r}"
+        option = "broadcast=True" if broadcast else "barrier=True"
+        if barrier or broadcast:
+            _refuse_lazy_bodies(func, option, _lazy_kind(func))
+
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             place = whoami()
@@ -124,16 +134,70 @@ def rank_zero_only(
             if not (barrier or broadcast):
                 if not mine:
                     return default
-                with running_alone("function"):  # nested waits must not wait for others
+                with running_alone("function", what):  # no collective may start in here
                     return func(*args, **kwargs)
             ran, value = on_rank_zero(
-                place, lambda: func(*args, **kwargs), broadcast=broadcast, local=local
+                place,
+                lambda: _finished(func(*args, **kwargs), func, option),
+                broadcast=broadcast,
+                local=local,
+                what=what,
             )
             return value if ran or broadcast else default
 
         return wrapper
 
     return decorate(fn) if fn is not None else decorate
+
+
+def _lazy_kind(func: Any) -> str | None:
+    """What kind of lazy body ``func`` has, if it is a generator or coroutine function."""
+    if inspect.isasyncgenfunction(func):
+        return "an async generator function"
+    if inspect.isgeneratorfunction(func):
+        return "a generator function"
+    if inspect.iscoroutinefunction(func):
+        return "an async function"
+    return None
+
+
+def _finished(value: Any, func: Callable[..., Any], option: str) -> Any:
+    """Rank 0's result, refused if it is a body still to run (a function that returns a
+    generator or coroutine without being one: a callable object, another decorator)."""
+    kind = (
+        "an async generator"
+        if inspect.isasyncgen(value)
+        else "a generator"
+        if inspect.isgenerator(value)
+        else "a coroutine"
+        if inspect.iscoroutine(value)
+        else None
+    )
+    if kind is not None:
+        value.close()  # never run: no "coroutine was never awaited" warning
+        _refuse_lazy_bodies(func, option, f"a function that returned {kind}")
+    return value
+
+
+def _refuse_lazy_bodies(func: Callable[..., Any], option: str, kind: str | None) -> None:
+    """A generator or coroutine function's body runs after the call returns, when it is
+    consumed: the others would stop waiting before rank 0's body ran, and its exception
+    would reach rank 0 only. Refused when decorating (or, for a callable that only returns
+    one, at rank 0's call, which reaches every rank), before any rank can be misled."""
+    if kind is None:
+        return
+    name = getattr(func, "__qualname__", repr(func))
+    fix = (
+        "`return list(...)` of what it yields"
+        if "generator" in kind and "async" not in kind
+        else "`asyncio.run(...)` of it (or run it to completion in your event loop first)"
+    )
+    raise TypeError(
+        f"rank_zero_only({option}) cannot wrap {name}: it is {kind}, whose body runs "
+        "only when the result is consumed -- after the other ranks stopped waiting, and "
+        "an exception there would reach rank 0 alone. Decorate a plain function that "
+        f"finishes the work instead, e.g. one that does {fix}."
+    )
 
 
 @overload
@@ -172,14 +236,16 @@ def all_reduced(
             result keys to ops (unnamed leaves use "mean").
         weight: the name of a count leaf (e.g. ``"count"``): counts are
             summed and each "mean" leaf becomes the count-weighted mean over
-            ranks; a total count of 0 gives NaN, never 0.
+            ranks; a total count of 0 gives NaN, never 0; a negative one is an
+            error on every rank.
 
-        async_op: return a :class:`~ddpctx.reduce.collectives.Reduction` handle at once;
+        async_op: return a :class:`~ddpctx.reduce.handles.Reduction` handle at once;
             ``.result()`` gives the value (or raises what the synchronous call
             would have raised), so logging can overlap the next step.
 
-    Leaves travel in their own floating dtype, integers exactly (see
-    :mod:`ddpctx.reduce.packing`): one collective for a dict of floats and counts,
+    Large float32/float64 leaves travel in their own dtype, other floats as float64,
+    integers exactly (see :mod:`ddpctx.reduce.packing`): one collective for a dict of
+    floats and counts,
     one more per further float dtype and per "max"/"min"/"prod". With a
     per-key ``op``, the innermost named key wins: ``op={"val": "max",
     "loss": "mean"}`` makes ``val.loss`` a mean and ``val.peak`` a max.
@@ -201,6 +267,7 @@ def all_reduced(
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            check_caller(name)  # before the body: a worker or a thread must not run it
             try:
                 result = func(*args, **kwargs)
             except BaseException as error:  # Ctrl-C and sys.exit() too

@@ -79,8 +79,9 @@ class RankZeroFaces:
         Other ranks get None and wait; a failure reaches every rank and leaves
         ``path`` as it was (see :mod:`ddpctx.rankzero.blocks`).
 
-        >>> from ddpctx import distributed
         >>> import tempfile
+        >>> from pathlib import Path
+        >>> from ddpctx import distributed
         >>> with distributed() as ctx:
         ...     target = Path(tempfile.mkdtemp()) / "model"
         ...     with ctx.atomic_dir(target) as tmp:

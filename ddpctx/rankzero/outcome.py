@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpctx.reduce.guard import inside_rank_zero_work, running_alone
 from ddpctx.reduce.objects import all_gather_objects, broadcast_object
 from ddpctx.utils.identity import Place
 
@@ -97,37 +97,6 @@ class Outcome:
         return self.value
 
 
-class _Alone(threading.local):
-    """What this thread is running on its own: ``"function"`` (a rank-zero function's
-    body) or ``"first"`` (the first run of a ``rank_zero_first`` block), innermost last."""
-
-    def __init__(self) -> None:
-        self.kinds: list[str] = []
-
-
-_alone = _Alone()
-
-
-@contextlib.contextmanager
-def running_alone(kind: str) -> Iterator[None]:
-    """Mark the enclosed code as run by this rank alone (see the module docstring).
-
-    >>> with running_alone("function"):
-    ...     inside_rank_zero_work()
-    'function'
-    """
-    _alone.kinds.append(kind)
-    try:
-        yield
-    finally:
-        _alone.kinds.pop()
-
-
-def inside_rank_zero_work() -> str | None:
-    """``"function"`` or ``"first"`` while rank-zero work runs on this thread, else None."""
-    return _alone.kinds[-1] if _alone.kinds else None
-
-
 def refuse_inside_first(what: str) -> None:
     raise RuntimeError(
         f"{what} was called inside a rank_zero_first block. Rank 0 runs that block before "
@@ -163,7 +132,12 @@ def share(outcome: Outcome | None, place: Place, local: bool) -> tuple[Outcome, 
 
 
 def on_rank_zero(
-    place: Place, work: Callable[[], Any], *, broadcast: bool, local: bool = False
+    place: Place,
+    work: Callable[[], Any],
+    *,
+    broadcast: bool,
+    local: bool = False,
+    what: str = "a rank-zero-only function",
 ) -> tuple[bool, Any]:
     """Run ``work`` on (local) rank 0 while the others wait; returns ``(ran_here, value)``.
 
@@ -189,7 +163,7 @@ def on_rank_zero(
         outcome, source = share(None, place, local)
         return False, outcome.result(source)
     try:
-        with running_alone("function"):
+        with running_alone("function", what):
             value = work()
         if broadcast:
             pickle.dumps(value)  # refused here, so the others learn of it below
@@ -215,7 +189,7 @@ def zero_first(place: Place, local: bool) -> Iterator[None]:
         yield
         return
     try:
-        with running_alone("first"):
+        with running_alone("first", "a rank_zero_first block"):
             yield
     except BaseException as error:  # Ctrl-C and sys.exit() too: the others must not wait
         share(Outcome.failure(error), place, local)

@@ -1,10 +1,11 @@
 """Reducing nested metrics in as few collectives as the dtypes allow.
 
-Why one module (about 500 lines): the protocol below -- agree, send,
+Why one module (over 400 lines): the protocol below -- agree, send,
 detect a change, fail on every rank -- is one state machine whose steps
 share the :class:`Site`; split, each half would be unreadable alone. Object
 broadcast and gather live in :mod:`ddpctx.reduce.objects`, the steady
-state's packing in :mod:`ddpctx.reduce.fastpath`.
+state's packing in :mod:`ddpctx.reduce.fastpath`, the async handle in
+:mod:`ddpctx.reduce.handles`.
 
 The reduction protocol
 ----------------------
@@ -55,6 +56,12 @@ ranks over time is not detected before the collective.
 ``async_op=True`` returns a :class:`Reduction` handle after the first wire is
 sent; the check, the other wires and the slow path run in ``.wait()`` /
 ``.result()``, which raise what the synchronous call would have raised.
+Handles finish in the order they were issued: reading one first finishes
+the earlier ones, so their collectives pair on every rank whatever order the
+program reads them in.
+
+Every entry point first refuses a caller no other rank could join (another
+thread, a DataLoader worker, rank-zero-only work: :mod:`ddpctx.reduce.guard`).
 
 Object collectives pickle on the sending rank first: an object that cannot be
 pickled is an error on every rank (never a wait), and what arrives is exactly
@@ -74,18 +81,18 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ddpctx.reduce.fastpath import FastPath
+from ddpctx.reduce.guard import check_caller
+from ddpctx.reduce.handles import Reduction as Reduction
 from ddpctx.reduce.packing import OPS, OpSpec, Plan, plan_key
 from ddpctx.reduce.tree import signature
 from ddpctx.reduce.wire import Wire
 from ddpctx.utils.issuing import ISSUING
-
-T = TypeVar("T")
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -175,45 +182,6 @@ def _no_group() -> None:
     return None
 
 
-class Reduction(Generic[T]):
-    """The handle ``async_op=True`` returns: ``.wait()``, then ``.result()``.
-
-    ``.result()`` returns the reduced value, or raises what the synchronous
-    call would have raised (on every rank alike).
-
-    Example:
-        >>> handle = all_reduce_tree({"loss": 0.5}, site=Site("doc"), async_op=True)
-        >>> handle.result()
-        {'loss': 0.5}
-    """
-
-    def __init__(self, finish: Callable[[], T]) -> None:
-        self._finish: Callable[[], T] | None = finish
-        self._value: T | None = None
-        self._error: Exception | None = None
-
-    def wait(self) -> None:
-        """Block until the reduction is complete (errors are kept for :meth:`result`)."""
-        if self._finish is None:
-            return
-        finish, self._finish = self._finish, None
-        try:
-            self._value = finish()
-        except Exception as error:  # kept for result() to re-raise; Ctrl-C goes through
-            self._error = error
-
-    def is_completed(self) -> bool:
-        """True once :meth:`wait` has run."""
-        return self._finish is None
-
-    def result(self) -> T:
-        """The reduced value (waits first)."""
-        self.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value  # type: ignore[return-value]
-
-
 def all_reduce_tree(
     obj: Any,
     op: OpSpec = "mean",
@@ -225,8 +193,10 @@ def all_reduce_tree(
 ) -> Any:
     """Reduce every numeric leaf of ``obj`` across ranks; same structure and leaf kinds back.
 
-    With ``async_op=True``, a :class:`Reduction` handle instead of the value.
+    With ``async_op=True``, a :class:`Reduction` handle instead of the value. Refused at
+    once where no other rank could join (see :mod:`ddpctx.reduce.guard`).
     """
+    check_caller(site.name)
     if site.label is None:
         return _all_reduce_tree(obj, op, weight, site, group, async_op)
     token = ISSUING.set(site.label)  # debug mode's lockstep check names the site
@@ -260,10 +230,14 @@ def _all_reduce_tree(
     if world == 1:
         site.agree(plan, _the_group(group) if dist.is_initialized() else None)
         return _done(_local(plan, values, buffers, device), async_op)
-    finish = _send(plan, values, buffers, site, group, device, world)
-    if async_op:
-        return Reduction(finish)
-    return finish()
+    first_call = site.agreed_in(_the_group(group)) is None
+    finish, ready = _send(plan, values, buffers, site, group, device, world)
+    if not async_op:
+        return finish()
+    handle = Reduction(finish, site.name, ready=ready)
+    if first_call:  # the site's agreement: at the same point on every rank, not at a read
+        handle.wait()
+    return handle
 
 
 def _prepare(
@@ -304,7 +278,7 @@ def _send_fast(
         work.wait()
         return _finish_fast(fast, buffer, obj, site, group)
 
-    return Reduction(finish)
+    return Reduction(finish, site.name)
 
 
 def _finish_fast(fast: FastPath, buffer: torch.Tensor, obj: Any, site: Site, group: Any) -> Any:
@@ -321,7 +295,7 @@ def _finish_fast(fast: FastPath, buffer: torch.Tensor, obj: Any, site: Site, gro
 
 
 def _done(value: Any, async_op: bool) -> Any:
-    return Reduction(lambda: value) if async_op else value
+    return Reduction(lambda: value, communicates=False) if async_op else value
 
 
 def _local(plan: Plan, values: list[Any], buffers: list[torch.Tensor], device: Any) -> Any:
@@ -339,28 +313,51 @@ def _send(
     group: Any,
     device: torch.device,
     world: int,
-) -> Callable[[], Any]:
-    """Send the first wire now; return the function that completes the reduction."""
+) -> tuple[Callable[[], Any], Callable[[], bool]]:
+    """Send every wire now; return the function that completes the reduction, and its poll.
+
+    In the steady state (this rank's structure is the agreed one) completing
+    needs no collective of its own, so a handle read on one rank only, or at
+    different points on different ranks, pairs nothing wrongly. A rank whose
+    structure changed sends the agreed wires empty, the first one flagged,
+    so every rank sends as many; then every rank takes the slow path.
+    """
     the_group = _the_group(group)
     agreed = site.agreed_in(the_group)
     if agreed is not None and agreed is not plan and agreed.lines == plan.lines:
         site.agree(plan, the_group)  # the same structure, planned again
         agreed = plan
-    if agreed is plan:
-        first = buffers[0]
-    else:
-        first = (agreed.wires[0] if agreed is not None else _FRESH).empty(device, raised=True)
-    wire = _wire_of(agreed, plan)
-    work = dist.all_reduce(first, op=_TORCH_OPS[wire.op], group=group, async_op=True)
+    sent = _issued_wires(agreed, plan, buffers, device)
+    works = [
+        dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group, async_op=True)
+        for wire, buffer in sent
+    ]
+    wire, first = sent[0]
 
     def finish() -> Any:
-        work.wait()
+        for work in works:
+            work.wait()
         if _raised(wire, float(first[0]), agreed is not plan, group):
             _agree(plan, None, site, group, world)
             dist.all_reduce(buffers[0], op=_TORCH_OPS[plan.wires[0].op], group=group)
-        return _rest(plan, values, buffers, group, device, world)
+            return _rest(plan, values, buffers, group, device, world)
+        return _rest(plan, values, buffers, group, device, world, sent=True)
 
-    return finish
+    return finish, lambda: all(work.is_completed() for work in works)
+
+
+def _issued_wires(
+    agreed: Plan | None, plan: Plan | None, buffers: list[torch.Tensor], device: torch.device
+) -> list[tuple[Wire, torch.Tensor]]:
+    """What a reduction sends at once: the agreed wires (empty and flagged unless ``plan``).
+
+    ``plan`` None: this rank failed and has nothing to send but the flag.
+    """
+    if plan is not None and agreed is plan:
+        return list(zip(plan.wires, buffers, strict=True))
+    if agreed is None:  # a site's first call: the fresh flag alone
+        return [(_FRESH, _FRESH.empty(device, raised=True))]
+    return [(w, w.empty(device, raised=n == 0)) for n, w in enumerate(agreed.wires)]
 
 
 def _raised(wire: Wire, reduced: float, mine: bool, group: Any) -> bool:
@@ -376,12 +373,6 @@ def _raised(wire: Wire, reduced: float, mine: bool, group: Any) -> bool:
     return wire.flag_raised(reduced)
 
 
-def _wire_of(agreed: Plan | None, plan: Plan) -> Wire:
-    if agreed is plan:
-        return plan.wires[0]
-    return agreed.wires[0] if agreed is not None else _FRESH
-
-
 def _rest(
     plan: Plan,
     values: list[Any],
@@ -389,10 +380,15 @@ def _rest(
     group: Any,
     device: torch.device,
     world: int,
+    sent: bool = False,
 ) -> Any:
-    """The first wire is reduced and every flag is down: the other wires, then the result."""
+    """The first wire is reduced and every flag is down: the other wires, then the result.
+
+    ``sent``: the other wires were sent and reduced with the first.
+    """
     for wire, buffer in zip(plan.wires[1:], buffers[1:], strict=True):
-        dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group)
+        if not sent:
+            dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group)
     for wire, buffer in zip(plan.wires, buffers, strict=True):
         if wire.nan_seen(buffer):  # the same answer on every rank: all take this branch
             _put_nans(wire, buffer, values, device, group)
@@ -485,28 +481,32 @@ def failed_reduction(error: Exception, site: Site, group: Any = None) -> Reducti
 
 def _tell_failure(error: BaseException, site: Site, group: Any, async_op: bool) -> Reduction[Any]:
     world = group_size(group)
-    work: Any = None
+    works: list[Any] = []
+    agreed = site.agreed_in(_the_group(group)) if world > 1 else None
     if world > 1:
-        agreed = site.agreed_in(_the_group(group))
-        wire = agreed.wires[0] if agreed is not None else _FRESH
+        sent = _issued_wires(agreed, None, [], comm_device(group))  # as the others send
         try:
-            buffer = wire.empty(comm_device(group), raised=True)
-            work = dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group, async_op=True)
+            works = [
+                dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group, async_op=True)
+                for wire, buffer in sent
+            ]
         except Exception:  # a broken group: nothing more can be told
-            work = None
+            works = []
 
     def finish() -> Any:
-        if work is not None:
+        if works:
             try:
-                work.wait()
+                for work in works:
+                    work.wait()
+                wire, buffer = sent[0]
                 _raised(wire, float(buffer[0]), True, group)  # a NaN flag: answer the question
                 _agree(None, error, site, group, world)
             except Exception:  # a broken group: nothing more can be told
                 pass
         raise error
 
-    handle: Reduction[Any] = Reduction(finish)
-    if not async_op:
+    handle: Reduction[Any] = Reduction(finish, site.name, communicates=world > 1)
+    if not async_op or agreed is None:  # a site's first call agrees at once, as the others do
         handle.wait()
     return handle
 

@@ -3,6 +3,8 @@
 :class:`CollectiveFaces` is mixed into ``DistContext``; it holds no state of
 its own beyond the per-call-site :class:`~ddpctx.reduce.collectives.Site`
 table, and every method is a thin call into :mod:`ddpctx.reduce.collectives`.
+Each refuses a caller no other rank could join -- another thread, a DataLoader
+worker, rank-zero-only work -- at once (see :mod:`ddpctx.reduce.guard`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpctx.reduce.collectives import Site, all_reduce_tree, check_op, comm_device
+from ddpctx.reduce.guard import check_caller
 from ddpctx.reduce.objects import all_gather_objects, broadcast_object
 from ddpctx.reduce.packing import OpSpec
 
@@ -32,6 +35,7 @@ class CollectiveFaces:
         >>> with distributed() as ctx:
         ...     ctx.barrier()
         """
+        check_caller("ctx.barrier()")
         if self.device.type == "cuda":
             dist.barrier(device_ids=[self.device.index or 0])
         else:
@@ -64,6 +68,7 @@ class CollectiveFaces:
         ...     ctx.broadcast({"run": "a"})
         {'run': 'a'}
         """
+        check_caller("ctx.broadcast()")
         return broadcast_object(obj, src)
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -74,6 +79,7 @@ class CollectiveFaces:
         ...     ctx.all_gather(ctx.rank)
         [0]
         """
+        check_caller("ctx.all_gather()")
         return all_gather_objects(obj)
 
     def any(self, flag: object) -> bool:
@@ -87,7 +93,7 @@ class CollectiveFaces:
         ...     ctx.any(False), ctx.any(True)
         (False, True)
         """
-        return self._agree(flag, dist.ReduceOp.MAX)
+        return self._agree(flag, dist.ReduceOp.MAX, "ctx.any()")
 
     def all(self, flag: object) -> bool:
         """True on every rank if ``flag`` is true on every rank (one tiny collective).
@@ -97,9 +103,10 @@ class CollectiveFaces:
         ...     ctx.all(True)
         True
         """
-        return self._agree(flag, dist.ReduceOp.MIN)
+        return self._agree(flag, dist.ReduceOp.MIN, "ctx.all()")
 
-    def _agree(self, flag: object, op: Any) -> bool:
+    def _agree(self, flag: object, op: Any, what: str) -> bool:
+        check_caller(what)
         vote = torch.tensor([1.0 if flag else 0.0], device=comm_device())
         if self.world_size > 1:
             dist.all_reduce(vote, op=op)

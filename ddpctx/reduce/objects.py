@@ -3,7 +3,8 @@
 torch's object collectives, with two things added: tensors come back on the
 device they were sent from (not the receiver's current GPU), and an object
 that cannot be pickled on one rank is an error on every rank, at once,
-instead of a hang of the others.
+instead of a hang of the others. Both refuse a caller no other rank could
+join (see :mod:`ddpctx.reduce.guard`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddpctx.reduce.collectives import ReductionError, group_size
+from ddpctx.reduce.guard import check_caller
 
 
 def _on_this_gpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -61,6 +63,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     CPU tensors arrive on the CPU, CUDA tensors on the receiver's own GPU. An
     object ``src`` cannot pickle is an error on every rank.
     """
+    check_caller("an object broadcast (ctx.broadcast)")
     world = group_size(group)
     if not isinstance(src, int) or not 0 <= src < world:
         raise ValueError(f"src={src!r} is not a rank of this group; use 0..{world - 1}.")
@@ -81,6 +84,7 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     Every entry is a copy (this rank's own too), as torch's ``all_gather_object``
     gives. An object some rank cannot pickle is an error on every rank.
     """
+    check_caller("an object gather (ctx.all_gather)")
     world = group_size(group)
     if world == 1:
         return [pickle.loads(pickle.dumps(obj))]

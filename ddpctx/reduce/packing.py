@@ -8,12 +8,15 @@ and the :class:`Wire` buffers it travels in. A wire is one collective: one op
 
 How leaves travel (the *layout*, a function of the structure alone):
 
-- large floating leaves (``SMALL`` elements or more) in their own dtype (a
-  float32 tensor as float32), so their bytes are not doubled and a sum is
-  what torch's own ``all_reduce`` of that dtype gives; smaller ones (scalar
-  metrics, short vectors) as float64, where the sum over ranks is exact
-  before it is rounded once to the leaf's dtype, sharing the wire of the
-  Python floats and ``np.float64`` scalars;
+- large float32 and float64 leaves (``SMALL`` elements or more) in their own
+  dtype, so their bytes are not doubled and a sum is summed as torch's own
+  ``all_reduce`` of that dtype sums it (at 3 or more ranks the order of the
+  additions, and so the last bits, depends on where an element lies in the
+  buffer: gloo's ring starts each chunk's sum on another rank); smaller ones
+  (scalar metrics, short vectors), and float16 and bfloat16 leaves of any
+  size, as float64, where the sum over ranks is exact before it is rounded
+  once to the leaf's dtype, sharing the wire of the Python floats and
+  ``np.float64`` scalars;
 - integers and bools exactly, as int64. Under "mean"/"sum" they ride inside
   the float64 (else float32) sum wire as a few exact pieces of
   ``bits_per_piece`` bits (a piece summed over every rank stays an exact
@@ -66,6 +69,7 @@ SMALL = 1024
 _WIRE_OPS = ("sum", "max", "min", "prod")
 _FLOAT_ORDER = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _MANTISSA = {torch.float64: 53, torch.float32: 24}  # where exact integer pieces fit
+_HALVES = (torch.float16, torch.bfloat16)
 
 
 def leaf_ops(leaves: Sequence[Leaf], op: OpSpec, weight: str | None) -> list[str]:
@@ -198,7 +202,17 @@ class Plan:
         return cls(leaves, rebuild, ops, weights, wires, lines, targets), values
 
     def pack(self, values: Sequence[Any], device: torch.device) -> list[torch.Tensor]:
-        """One new buffer per wire."""
+        """One new buffer per wire. A weight that is negative, NaN or infinite is refused:
+        a weighted mean over it would be a number, silently wrong, on every rank."""
+        for index in {w for w in self.weights if w is not None}:
+            weight = float(values[index])
+            if not (math.isfinite(weight) and weight >= 0):
+                leaf = self.leaves[index]
+                raise ValueError(
+                    f"{leaf.path} = {weight!r} is the weight (weight={leaf.key!r}) of a "
+                    "weighted mean; it counts samples, so it must be a finite number >= 0. "
+                    "Return this rank's number of samples (0 for a rank with none)."
+                )
         return [wire.pack(values, device) for wire in self.wires]
 
     def unpack(self, reduced: Sequence[torch.Tensor], world: int) -> Any:
@@ -324,15 +338,22 @@ def _flag_in_nan(wires: list[Wire], world: int) -> list[Wire]:
 
 
 def _wire_float(leaf: Leaf) -> torch.dtype:
-    """A floating leaf's wire dtype: its own, or float64 for a small one.
+    """A floating leaf's wire dtype: its own, or float64 for a small or half-precision one.
 
     Small leaves (scalars, short vectors) cost latency, not bandwidth: in
     float64 their sum over ranks is exact before it is rounded once to the
     leaf's dtype, and they share one wire with the Python floats and counts.
+    float16 and bfloat16 leaves travel as float64 at every size: summed in
+    their own dtype, each partial sum of gloo's ring is rounded (at 3 ranks,
+    a bfloat16 sum came back 200.0 for an exact 200.75), while their float64
+    sum is exact (float16 always, bfloat16 unless the ranks' values lie 2**40
+    or more apart) and is then rounded once. Four times the bytes, for the
+    correctly rounded sum.
     """
-    if math.prod(leaf.shape) < SMALL:
+    own = _torch_dtype(leaf)
+    if own in _HALVES or math.prod(leaf.shape) < SMALL:
         return torch.float64
-    return _torch_dtype(leaf)
+    return own
 
 
 def _bits(dtype: torch.dtype, world: int) -> int:

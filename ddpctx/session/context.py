@@ -1,6 +1,6 @@
 """``distributed()``: one ``with`` block around a whole distributed run.
 
-Contract (``DESIGN.md`` section 2), in the order things happen on enter:
+The contract, in the order things happen on enter:
 
 1. Refuse nesting; check every argument and every launcher variable. All
    validation happens before anything is started, so a bad input leaves no
@@ -17,14 +17,20 @@ Contract (``DESIGN.md`` section 2), in the order things happen on enter:
    deterministic algorithms.
 
 On exit, whatever the cause, everything is undone in reverse order, and the
-process group is destroyed in bounded time. An exception leaving the block is
+process group is destroyed in bounded time. A rank that leaves normally first
+records it in the job's store, so that a peer whose collective then loses it
+says why (:mod:`ddpctx.session.departures`). torch's ``[rankN]: `` prefix on
+uncaught errors stays for an error leaving the block, and goes after a clean
+exit; entering again never stacks a second one. An exception leaving the block is
 re-raised unchanged; under torchrun it is first written to
 ``TORCHELASTIC_ERROR_FILE`` in the format of torch's ``@record``, so the
 launcher's report names the failing rank and shows its traceback.
 
-Layering: ``env`` and ``seeding`` are pure helpers below this module; the
-decorators, data loading, checkpoints and launchers sit above it and reach
-the active context through :func:`current`, the one piece of module state.
+Layering: the session composes the subsystems below it (the pure helpers in
+:mod:`ddpctx.utils`, reduction, rank-zero work, data, models, checkpoints and
+the hang doctor); launching, the pytest plugin and the command line sit above
+it. Code anywhere reaches the active context through :func:`current`, the one
+piece of module state.
 
 Example:
     >>> from ddpctx import distributed
@@ -36,23 +42,29 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from types import TracebackType
-from typing import Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import contextlib2
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ddpctx.hang.inflight import hook_fsdp_roots
 from ddpctx.hang.settings import HangSettings, resolve_hang_settings
 from ddpctx.hang.watchdog import Doctor
 from ddpctx.parallel.precision import Precision, PrecisionName, resolve_precision
+from ddpctx.reduce.handles import end_of_block
+from ddpctx.session.departures import add_note, departed, departure_note, record_departure
 from ddpctx.session.distcontext import DistContext
-from ddpctx.session.group import destroy_group_bounded, init_group
+from ddpctx.session.group import ExceptHook, destroy_group_bounded, init_group, peel_rank_prefix
+from ddpctx.session.quiesce import quiesce_gloo_workers
 from ddpctx.session.signals import exit_on_sigterm
+from ddpctx.session.watching import Watching, resolve_watching, start_watching
 from ddpctx.utils.env import (
     LaunchInfo,
     detect_launch,
@@ -60,9 +72,10 @@ from ddpctx.utils.env import (
     resolve_device_index,
     resolve_timeout,
 )
-from ddpctx.utils.errors import record_for_torchrun, should_record
+from ddpctx.utils.errors import describe, is_follow_on, record_for_torchrun, should_record
 from ddpctx.utils.identity import occupant, occupy
 from ddpctx.utils.seeding import enable_deterministic, seed_everything, validate_seed
+from ddpctx.watch.straggler import StragglerSettings
 
 T = TypeVar("T")
 
@@ -86,6 +99,10 @@ def distributed(
     on_hang: Literal["report", "raise"] = "report",
     debug: bool = False,
     precision: PrecisionName = "32",
+    log_dir: str | os.PathLike[str] | None = None,
+    loggers: Sequence[object] | None = None,
+    timings: bool = True,
+    straggler: bool | StragglerSettings = True,
 ) -> DistributedSession:
     """Set up (and always tear down) distributed training for the block.
 
@@ -112,6 +129,19 @@ def distributed(
         precision: the run's numeric precision, applied by ``ctx.wrap`` and
             ``ctx.shard``: ``"32"`` (default), ``"bf16-mixed"``, ``"16-mixed"``
             (CUDA only) or ``"bf16-true"`` (:mod:`ddpctx.parallel.precision`).
+        log_dir: where rank 0 writes what ``ctx.log`` reduces (and ``ctx.profile``'s
+            traces). With ``log_dir`` and no ``loggers``: ``("jsonl",)``.
+        loggers: ``"jsonl"`` (``metrics.jsonl``), ``"csv"`` (``metrics.csv``),
+            ``"tensorboard"`` (``pip install ddpctx[tensorboard]``), or objects with
+            ``log_metrics(metrics, step)`` (the ``Logger`` protocol:
+            ``from ddpctx.watch import Logger``). After a resume every step appears
+            exactly once in each (:mod:`ddpctx.watch.trail`).
+        timings: time every step of ``ctx.dataloader``'s iterators by phase (data,
+            compute, collective wait) for ``ctx.timings()`` and the straggler report
+            (:mod:`ddpctx.watch.clock`).
+        straggler: rank 0 prints a straggler report when one rank holds the others
+            back (:mod:`ddpctx.watch.straggler`); ``False`` or ``DDPCTX_STRAGGLER=0``
+            turns it off, :class:`~ddpctx.StragglerSettings` tunes it.
 
     The same script runs under ``torchrun``, under ``srun`` and as a plain
     ``python script.py`` (world size 1).
@@ -122,7 +152,13 @@ def distributed(
         42
     """
     return DistributedSession(
-        seed, backend, timeout, deterministic, (hang_timeout, on_hang, debug), precision
+        seed,
+        backend,
+        timeout,
+        deterministic,
+        (hang_timeout, on_hang, debug),
+        precision,
+        (log_dir, loggers, timings, straggler),
     )
 
 
@@ -136,6 +172,7 @@ class _Plan:
     adopted: bool
     hang: HangSettings
     precision: Precision
+    watching: Watching
 
 
 class DistributedSession:
@@ -156,7 +193,9 @@ class DistributedSession:
         deterministic: bool,
         hang: tuple[object, object, object] = (None, "report", False),
         precision: object = "32",
+        watch: tuple[Any, Any, Any, Any] = (None, None, True, True),
     ) -> None:
+        self._watch = watch
         self._seed = seed
         self._hang = hang
         self._doctor: Doctor | None = None
@@ -166,6 +205,8 @@ class DistributedSession:
         self._deterministic = deterministic
         self._cleanup = contextlib2.ExitStack()
         self._precision = precision
+        #: sys.excepthook before the group formed, and the rank-prefixing one torch set.
+        self._excepthooks: tuple[ExceptHook, ExceptHook] | None = None
 
     def __enter__(self) -> DistContext:
         active = current()
@@ -176,16 +217,30 @@ class DistributedSession:
                 "ddpctx.current() to reach it from deeper code."
             )
         plan = _make_plan(
-            self._seed, self._backend, self._timeout, os.environ, self._hang, self._precision
+            self._seed,
+            self._backend,
+            self._timeout,
+            os.environ,
+            self._hang,
+            self._precision,
+            self._watch,
         )
         with contextlib2.ExitStack() as stack:  # unwinds everything if a step fails
             if plan.device.type == "cuda":
                 torch.cuda.set_device(plan.device)
             if not plan.adopted:
+                before = peel_rank_prefix()
                 init_group(plan.info, plan.backend, plan.device, plan.timeout)
+                self._excepthooks = (before, sys.excepthook)
                 stack.callback(destroy_group_bounded)
+                stack.callback(quiesce_gloo_workers)  # after the block's last collective
+            cuda = plan.device.type == "cuda"
             doctor = Doctor(
-                plan.hang, plan.info.rank, plan.info.world_size, cuda=plan.device.type == "cuda"
+                plan.hang,
+                plan.info.rank,
+                plan.info.world_size,
+                cuda=cuda,
+                track=plan.watching.timings,
             )
             stack.callback(doctor.stop)  # before the group is destroyed
             self._doctor = doctor
@@ -200,8 +255,11 @@ class DistributedSession:
                 plan.info, plan.backend, plan.device, plan.seed, self.close, plan.precision
             )
             context._after_shard = hook_fsdp_roots
+            start_watching(context, plan.watching, plan.info, plan.device, doctor.tracker, stack)
             occupy(context)
             stack.callback(occupy, None)
+            stack.callback(end_of_block)  # unread async handles never reach the next block
+            stack.callback(context._writer_claims.release)  # after any async save is finished
             self._context = context
             self._cleanup = stack.pop_all()
         return context
@@ -216,14 +274,25 @@ class DistributedSession:
             context, self._context = self._context, None
             if context is not None and exc is None:  # an async checkpoint in flight: publish it
                 context.finish_checkpoint()
+                record_departure(_group_store(), context.rank, self._entered())
             elif context is not None:  # failing: wait for this rank's write, never publish it
                 with contextlib2.suppress(Exception):
                     context._pending.finish(context._place(), publish=False)
+            notes = []
+            if exc is not None and context is not None and is_follow_on(describe(exc)):
+                left = departed(_group_store(), context.rank, context.world_size)
+                note = departure_note(context.rank, self._entered(), left)
+                if note:
+                    add_note(exc, note)
+                    notes.append(note)
             if exc is not None and should_record(exc):
                 reports = self._doctor.reports if self._doctor is not None else []
-                record_for_torchrun(exc, os.environ, note="\n\n".join(reports))
+                record_for_torchrun(exc, os.environ, note="\n\n".join([*notes, *reports]))
         finally:
             self.close()
+            hooks, self._excepthooks = self._excepthooks, None
+            if exc is None and hooks is not None and sys.excepthook is hooks[1]:
+                sys.excepthook = hooks[0]  # an error leaving the block keeps its [rankN] prefix
         failure = self._doctor.failure if self._doctor is not None else None
         if exc is None and failure is not None:  # on_hang="raise": the stall ended by itself
             raise failure
@@ -233,6 +302,19 @@ class DistributedSession:
         """Undo everything ``__enter__`` did; safe to call more than once."""
         self._cleanup.close()
 
+    def _entered(self) -> int | None:
+        """How many collectives this rank entered in the block (None: the doctor is off)."""
+        tracker = self._doctor.tracker if self._doctor is not None else None
+        return tracker.entered if tracker is not None else None
+
+
+def _group_store() -> object:
+    """The default group's store (None when there is none to reach)."""
+    try:
+        return c10d._get_default_store()
+    except Exception:
+        return None
+
 
 def _make_plan(
     seed: object,
@@ -241,6 +323,7 @@ def _make_plan(
     environ: Mapping[str, str],
     hang: tuple[object, object, object] = (None, "report", False),
     precision: object = "32",
+    watch: tuple[Any, Any, Any, Any] = (None, None, True, True),
 ) -> _Plan:
     """Every decision and every check, with no side effect."""
     resolved_timeout = resolve_timeout(timeout, environ)
@@ -267,6 +350,7 @@ def _make_plan(
         adopted=dist.is_initialized(),
         hang=hang_settings,
         precision=resolve_precision(precision, device),
+        watching=resolve_watching(*watch, environ),
     )
 
 

@@ -12,6 +12,7 @@ Each face lives beside the subsystem it fronts and is a thin layer over it:
   ``full_state_dict``.
 - :class:`~ddpctx.checkpoint.faces.CheckpointFaces`: ``save``, ``load``,
   ``save_checkpoint``, ``load_checkpoint``.
+- :class:`~ddpctx.watch.faces.WatchFaces`: ``log``, ``log_config``, ``timings``, ``profile``.
 
 This module only names the run's facts (rank, device, seed, ...) and joins
 the faces; :mod:`ddpctx.session.context` makes the object.
@@ -26,6 +27,7 @@ import torch
 
 from ddpctx.checkpoint.faces import CheckpointFaces
 from ddpctx.checkpoint.pending import Pending
+from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook
 from ddpctx.data.faces import DataFaces
 from ddpctx.parallel.faces import ModelFaces
@@ -34,9 +36,12 @@ from ddpctx.rankzero.faces import RankZeroFaces
 from ddpctx.reduce.collectives import Site
 from ddpctx.reduce.faces import CollectiveFaces
 from ddpctx.utils.env import Launcher, LaunchInfo
+from ddpctx.watch.faces import WatchFaces
 
 
-class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, CheckpointFaces):
+class DistContext(
+    CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, CheckpointFaces, WatchFaces
+):
     """This process's place in the run, and the operations that need it.
 
     Made by :func:`distributed`; read its attributes, don't build one yourself.
@@ -89,6 +94,7 @@ class DistContext(CollectiveFaces, RankZeroFaces, DataFaces, ModelFaces, Checkpo
         self._loader_book = LoaderBook()
         self._newest_checkpoints: dict[Path, str] = {}
         self._pending = Pending.none()
+        self._writer_claims = Claims()  # checkpoint directories rank 0 holds; let go at the end
         self._precision = precision or Precision("32", device.type)
         self._mesh = None
         self._scaler = None

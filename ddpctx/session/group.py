@@ -8,6 +8,10 @@
   and gloo is pinned to loopback for groups that never leave this machine
   (:func:`loopback_gloo`).
 - :func:`destroy_group_bounded`: teardown that cannot hang the exit path.
+- :func:`peel_rank_prefix`: torch's ``init_process_group`` wraps ``sys.excepthook``
+  to prefix ``[rankN]: `` and never unwraps it; a process that forms groups one
+  after another would print ``[rank0]: [rank0]: ...``. Each formation starts
+  from the hook under those layers, so an error shows one prefix.
 - :func:`record_for_torchrun`: the failing rank's exception, written where
   torchrun looks for it (torch's ``@record`` format).
 
@@ -22,9 +26,10 @@ import inspect
 import ipaddress
 import os
 import socket
+import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +45,27 @@ TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]  # exported, not re-
 
 #: How long exit waits for ``destroy_process_group`` before giving up on it.
 DESTROY_TIMEOUT_S = 30.0
+
+
+#: The ``__qualname__`` of the hook torch's ``init_process_group`` installs.
+_TORCH_RANK_HOOK = "init_process_group.<locals>._distributed_excepthook"
+
+ExceptHook = Callable[..., Any]
+
+
+def peel_rank_prefix() -> ExceptHook:
+    """Set ``sys.excepthook`` to the hook under torch's rank-prefix layers; return it.
+
+    A hook that is not torch's (the user's own, IPython's) is kept as it is.
+    """
+    hook: ExceptHook = sys.excepthook
+    while getattr(hook, "__qualname__", "") == _TORCH_RANK_HOOK:
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or (), strict=False))
+        if "old_hook" not in cells:  # another torch than this was written for: leave it
+            break
+        hook = cells["old_hook"].cell_contents
+    sys.excepthook = hook
+    return hook
 
 
 @contextlib.contextmanager
@@ -90,7 +116,7 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
             store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not re-declared
             form_group(store, rank=0, world_size=1, **kwargs)
         return
-    check_resolvable(info.master_addr)
+    check_resolvable(info.master_addr, info.master_addr_from)
     with naming_a_busy_port(info):
         if info.launcher == "torchrun":
             # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
@@ -110,10 +136,12 @@ def init_group(info: LaunchInfo, backend: str, device: torch.device, timeout: ti
         )
 
 
-def check_resolvable(host: str | None) -> None:
-    """A ``MASTER_ADDR`` this host cannot resolve is an error now, not a retry loop to the timeout.
+def check_resolvable(host: str | None, source: str = "MASTER_ADDR") -> None:
+    """Rank 0's host failing to resolve here is an error now, not a retry loop to the timeout.
 
-    A temporary DNS failure (``EAI_AGAIN``) is left to torch's retries.
+    ``source`` names where ``host`` was read (``LaunchInfo.master_addr_from``):
+    ``MASTER_ADDR``, or the SLURM node list whose first host it is. A temporary
+    DNS failure (``EAI_AGAIN``) is left to torch's retries.
 
     >>> check_resolvable("no-such-host.invalid")
     Traceback (most recent call last):
@@ -127,11 +155,24 @@ def check_resolvable(host: str | None) -> None:
     except socket.gaierror as error:
         if error.errno == socket.EAI_AGAIN:
             return
+        fix = (
+            "Set MASTER_ADDR to rank 0's host name or IP address as every node resolves it "
+            "(e.g. `hostname -i` on rank 0's node), or 127.0.0.1 on one machine."
+        )
+        if source == "MASTER_ADDR":
+            raise ValueError(
+                f"MASTER_ADDR={host!r} does not resolve on this host ({error.strerror}), so "
+                "this rank cannot reach rank 0's rendezvous store (torch would retry until "
+                f"the timeout). {fix}"
+            ) from None
+        name = source.split("=", 1)[0]
         raise ValueError(
-            f"MASTER_ADDR={host!r} does not resolve on this host ({error.strerror}), so this "
-            "rank cannot reach rank 0's rendezvous store (torch would retry until the "
-            "timeout). Set MASTER_ADDR to rank 0's host name or IP address as every node "
-            "resolves it (e.g. `hostname -i` on rank 0's node), or 127.0.0.1 on one machine."
+            f"rank 0's host {host!r}, the first host of {source} (MASTER_ADDR is not set, so "
+            f"ddpctx took it from {name}), does not resolve on this host ({error.strerror}), "
+            "so this rank cannot reach rank 0's rendezvous store. SLURM sets the node list "
+            "for the job: a value copied from another job or cluster names hosts that are "
+            f"not here -- run the script with srun inside its allocation, or unset {name}. "
+            f"{fix}"
         ) from None
 
 

@@ -21,11 +21,14 @@ are handled here:
 Only the main thread can install any of this, and only when nobody else
 installed a SIGTERM handler or a wakeup fd (asyncio, for one, uses it).
 
-Example:
+Example (in a process with SIGTERM's default action, as a fresh one has):
+    >>> import signal
+    >>> previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     >>> undo = exit_on_sigterm(rank=0)
     >>> undo is not None  # installed: this doctest runs in the main thread
     True
     >>> undo()
+    >>> _ = signal.signal(signal.SIGTERM, previous)
 """
 
 from __future__ import annotations

@@ -43,9 +43,10 @@ Each test runs in the pytest process's world as the test starts: fixtures'
 values (pickled; a test using one that does not pickle, such as ``request``,
 gets freshly forked ranks), the environment (``monkeypatch.setenv`` included)
 and the working directory travel to the ranks. A warm rank restores
-``os.environ``, the working directory, torch's default dtype, the
-deterministic and cuDNN flags and the states of ``random``, NumPy and torch
-after every test. ``capsys`` / ``capfd`` record what that rank prints;
+``os.environ``, the working directory, ``sys.path``, torch's global switches
+(default dtype and device, grad mode, anomaly detection, thread count, matmul
+precision, the deterministic, cuDNN and TF32 flags) and the states of
+``random``, NumPy and torch after every test. ``capsys`` / ``capfd`` record what that rank prints;
 ``pytest.skip`` in a rank skips the test; ``async def`` tests run on a new
 event loop in each rank.
 
@@ -63,6 +64,13 @@ Command-line options: the plugin adds none of its own; pytest's apply.
 - ``-n N`` (pytest-xdist): each xdist worker keeps its own rank pools; a
   pool's ranks meet through a store on a port of 127.0.0.1 that the system
   picks for it, so pools never clash.
+
+For maintainers: the plugin's modules.
+
+- :mod:`~ddpctx.testing.plugin`: the hooks, the marker's test call and the fixtures.
+- :mod:`~ddpctx.testing.options`: reading ``@pytest.mark.distributed(...)``.
+- :mod:`~ddpctx.testing.pools`: the warm rank pools, stopped when pytest is told to stop.
+- :mod:`~ddpctx.testing.rankside`: what runs inside each rank: the body, its coroutine, capsys.
 
 May import: :mod:`ddpctx.utils`, :mod:`ddpctx.session`, :mod:`ddpctx.launching`
 (and nothing at all at import time: pytest loads the plugin in every run,

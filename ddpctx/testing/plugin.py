@@ -1,6 +1,6 @@
 """The pytest plugin: ``@pytest.mark.distributed``, ``dist_ctx``, ``run_distributed``.
 
-Ranks come from warm pools of worker processes (:class:`ddpctx.launching.pool.RankPool`),
+Ranks come from warm pools of worker processes (:mod:`ddpctx.testing.pools`),
 one pool per world size, kept for the whole session; every test gets a fresh
 process group. Workers are forked from the pytest process after collection,
 with torch already imported, so they hold the same test modules -- with
@@ -20,8 +20,9 @@ clash.
 Every test runs in the pytest process's world at the moment the body would
 run: its environment (fixtures' ``monkeypatch.setenv`` included) and working
 directory travel to the ranks with the test, and each rank puts its own back
-afterwards, with torch's default dtype, deterministic flags and generator
-states (:mod:`ddpctx.launching.taskstate`). ``isolated=True`` gives a test fresh rank
+afterwards, with ``sys.path``, torch's global switches and generator states
+(:mod:`ddpctx.launching.taskstate`). SIGTERM to pytest stops the ranks and what
+they started (:mod:`ddpctx.testing.pools`). ``isolated=True`` gives a test fresh rank
 processes; ``init=False`` gives it the rendezvous variables instead of a
 group. With ``-s`` the ranks' output is streamed live, each line prefixed
 ``[rank N]``; with ``-rP`` it is shown for passing tests too.
@@ -33,9 +34,8 @@ time: pytest loads it in every session.
 from __future__ import annotations
 
 import inspect
-import pickle
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
@@ -49,6 +49,7 @@ from ddpctx.testing.options import (
     read,
     report_grace,
 )
+from ddpctx.testing.pools import Pools
 from ddpctx.testing.rankside import (
     CAPTURE_FIXTURES,
     RANK_CAPTURE,
@@ -56,89 +57,10 @@ from ddpctx.testing.rankside import (
     call_test_body,
 )
 
-if TYPE_CHECKING:
-    from ddpctx.launching.pool import RankPool
-
 WORLD_SIZE_FIXTURE = "dist_world_size"
 
 
-class _Pools:
-    """One warm :class:`~ddpctx.launching.pool.RankPool` per world size."""
-
-    def __init__(self) -> None:
-        self._pools: dict[int, RankPool] = {}
-
-    def run(
-        self,
-        world_size: int,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-        *,
-        isolated: bool = False,
-        init: bool = True,
-        echo: bool = False,
-    ) -> tuple[list[Any], list[tuple[str, str]]]:
-        """Per-rank results and per-rank ``(stdout, stderr)``."""
-        warm_up()
-        from ddpctx.launching.pool import RankPool
-        from ddpctx.launching.worker import Task
-
-        if isolated or not _picklable((fn, args, kwargs)):
-            # Fresh ranks, forked with the function and its arguments in memory.
-            first = Task(fn, args, kwargs, None, timeout, init=init)
-            with RankPool(world_size, first=first) as pool:
-                results = pool.run(fn, args, kwargs, timeout=timeout, init=init, echo=echo)
-                return results, pool.last_outputs
-        if world_size not in self._pools or not self._pools[world_size].healthy:
-            self._pools[world_size] = RankPool(world_size)
-        pool = self._pools[world_size]
-        results = pool.run(fn, args, kwargs, timeout=timeout, init=init, echo=echo)
-        return results, pool.last_outputs
-
-    def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
-        self._pools.clear()
-
-
-#: Imported once in the pytest process, before any pool forks, so that every rank -- of
-#: every pool, also one that replaces a spoiled pool -- starts with them loaded: torch;
-#: ddpctx's rank side (which pytest compiles anew, rewriting its asserts, as the plugin's
-#: package); and ``torch._dynamo``, which DDP's constructor imports on first use (3-8 s,
-#: paid otherwise by the first ``ctx.wrap`` in each rank of each pool).
-WARM_MODULES = (
-    "torch",
-    "torch.distributed",
-    "ddpctx.session.context",
-    "ddpctx.launching.worker",
-    "ddpctx.launching.taskstate",
-    "torch.nn.parallel",
-    "torch._dynamo",
-)
-
-
-def warm_up() -> None:
-    """Import :data:`WARM_MODULES` here (once; later calls cost a dict lookup each)."""
-    import importlib
-
-    for name in WARM_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # torch._dynamo may be missing from a minimal torch build
-            continue
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except Exception:
-        return False
-    return True
-
-
-_pools_key = pytest.StashKey[_Pools]()
+_pools_key = pytest.StashKey[Pools]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -147,7 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER}(world_size=2, timeout=60, isolated=False, init=True): run the test body on "
         "every rank inside ddpctx.distributed(); world_size may be a list (one test per size).",
     )
-    config.stash[_pools_key] = _Pools()
+    config.stash[_pools_key] = Pools()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -237,6 +159,9 @@ def run_distributed(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
     ranks' stacks are reported and the call fails. ``fn`` may be a lambda or
     a closure. A failure raises :class:`ddpctx.RankError` naming the rank,
     chained from its exception. Example::
+
+        import ddpctx
+
 
         def test_each_rank_returns(run_distributed):
             ranks = run_distributed(lambda: ddpctx.current().rank, world_size=3)

@@ -35,6 +35,8 @@ import shutil
 import socket
 import time
 import uuid
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,8 @@ def temporary_name(target: Path, suffix: str = "tmp") -> Path:
     return target.parent / f".{target.name}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.{suffix}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -77,7 +80,7 @@ def is_abandoned(temporary: Path, now: float | None = None) -> bool:
         return True
     # .<name...>.<host>.<pid>.<random>.tmp -> host and pid are the 4th and 3rd from the end
     if len(parts) >= 5 and parts[-4] == _HOST and parts[-3].isdigit():
-        return int(parts[-3]) != os.getpid() and not _pid_alive(int(parts[-3]))
+        return int(parts[-3]) != os.getpid() and not pid_alive(int(parts[-3]))
     return False  # another host's, or an unknown name: only age tells
 
 
@@ -97,10 +100,12 @@ class _FileSink:
     def __init__(self, descriptor: int) -> None:
         self.descriptor = descriptor
         self.written = 0
+        self.crc = 0  # CRC-32 of every byte written, for a checksum manifest
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
         try:
             while view:
                 count = os.write(self.descriptor, view)
@@ -126,8 +131,14 @@ def no_space_error(path: Path, error: OSError, written: int) -> OSError:
     )
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` that never leaves a torn file at ``path``."""
+def atomic_save(
+    obj: Any, path: Path, before_publish: Callable[[tuple[int, str]], None] | None = None
+) -> None:
+    """``torch.save`` that never leaves a torn file at ``path``.
+
+    ``before_publish`` gets the file's size and CRC-32 (8 hex digits) once it
+    is written and synced, before it is renamed into place (to record them).
+    """
     directory = path.parent
     if not directory.is_dir():
         raise FileNotFoundError(
@@ -163,6 +174,8 @@ def atomic_save(obj: Any, path: Path) -> None:
             raise
         finally:
             os.close(descriptor)
+        if before_publish is not None:
+            before_publish((sink.written, f"{sink.crc:08x}"))
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)

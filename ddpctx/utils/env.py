@@ -24,6 +24,11 @@ Detection order (first match wins):
 3. Open MPI: ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE``.
 4. Otherwise a single process (world size 1).
 
+Before the first rule is taken, env:// variables that disagree with an
+``srun`` step's or Open MPI's are an error naming both sets
+(:mod:`ddpctx.utils.conflicts`): a stale ``RANK=0 WORLD_SIZE=1`` would
+otherwise make every task of the job rank 0 of 1.
+
 Example:
     >>> info = detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
     ...                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
@@ -34,10 +39,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
+from ddpctx.utils.conflicts import check_launchers_agree
 from ddpctx.utils.hostlist import parse_nodelist, parse_tasks_per_node
 
 Launcher = Literal["torchrun", "slurm", "mpi", "launch", "single"]
@@ -69,7 +75,9 @@ class LaunchInfo:
 
     ``master_addr``/``master_port`` are None where the process group is formed
     without a network rendezvous (a single process) or where torch reads them
-    itself (``env://``).
+    itself (``env://``). ``master_addr_from`` names where the address was read,
+    for error messages: ``"MASTER_ADDR"``, or the SLURM node list it is the
+    first host of (``"SLURM_JOB_NODELIST='node[01-02]'"``).
     """
 
     launcher: Launcher
@@ -81,6 +89,7 @@ class LaunchInfo:
     master_addr: str | None = None
     master_port: int | None = None
     restart_count: int = 0
+    master_addr_from: str = field(default="MASTER_ADDR", compare=False)
 
 
 def _read_int(environ: Mapping[str, str], name: str, fix: str, minimum: int = 0) -> int:
@@ -134,8 +143,11 @@ def detect_launch(environ: Mapping[str, str], rendezvous: bool = True) -> Launch
 
     Raises ``ValueError`` naming the variable, its value and the fix for any
     inconsistent or malformed value. ``rendezvous=False`` skips the checks of
-    rank 0's address, for a process group that already exists.
+    rank 0's address and of conflicting launchers, for a process group that
+    already exists (its own rank and size win).
     """
+    if rendezvous:
+        check_launchers_agree(environ, LAUNCHER_VARIABLE)
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return _detect_env(environ, rendezvous)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and _in_slurm_step(environ):
@@ -277,6 +289,7 @@ def _detect_slurm(environ: Mapping[str, str]) -> LaunchInfo:
     )
     master_addr: str | None = None
     master_port: int | None = None
+    master_addr_from = "MASTER_ADDR"
     if world_size > 1:
         master_addr = (
             _read_address(environ, "MASTER_ADDR") if _is_set(environ, "MASTER_ADDR") else None
@@ -291,6 +304,7 @@ def _detect_slurm(environ: Mapping[str, str]) -> LaunchInfo:
                     "unknown. Set MASTER_ADDR to the first host of the allocation."
                 )
             master_addr = parse_nodelist(environ[nodelist_name], nodelist_name)[0]
+            master_addr_from = f"{nodelist_name}={environ[nodelist_name]!r}"
         if environ.get("MASTER_PORT", "").strip():
             master_port = _read_port(environ, "MASTER_PORT")
         else:
@@ -313,6 +327,7 @@ def _detect_slurm(environ: Mapping[str, str]) -> LaunchInfo:
         master_addr=master_addr,
         master_port=master_port,
         restart_count=restarts,
+        master_addr_from=master_addr_from,
     )
 
 

@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import time
 import traceback
@@ -111,9 +113,18 @@ def record_for_torchrun(exc: BaseException, environ: Mapping[str, str], note: st
             },
         }
     }
+    # Written whole or not at all: torchrun's agent json-loads the file of every rank that
+    # exited non-zero, and crashes (taking the restart with it) on a half-written one, which a
+    # rank stopped by the launcher's SIGTERM in the middle of this write would leave.
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as handle:
-            json.dump(data, handle)
+        try:
+            with open(partial, "w") as handle:
+                json.dump(data, handle)
+            os.replace(partial, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial)
     except OSError as error:
         warnings.warn(
             f"could not write TORCHELASTIC_ERROR_FILE={path!r}: {error}",

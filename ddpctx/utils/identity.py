@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,12 +54,36 @@ class Placed(Protocol):
 
 
 _occupant: Placed | None = None
+_occupant_thread: threading.Thread | None = None  # the thread that entered distributed()
+_occupant_pid: int | None = None  # its process: a process it forks is not a rank
 
 
 def occupy(context: Placed | None) -> None:
-    """Put the active context in the slot (None empties it)."""
-    global _occupant
+    """Put the active context in the slot (None empties it), from the thread that owns it."""
+    global _occupant, _occupant_thread, _occupant_pid
     _occupant = context
+    _occupant_thread = threading.current_thread() if context is not None else None
+    _occupant_pid = os.getpid() if context is not None else None
+
+
+def collective_thread() -> threading.Thread:
+    """The thread whose collectives are this process's: the one that entered
+    ``distributed()``, else the main thread (see :mod:`ddpctx.reduce.guard`).
+
+    >>> collective_thread() is threading.main_thread()
+    True
+    """
+    return _occupant_thread if _occupant_thread is not None else threading.main_thread()
+
+
+def collective_process() -> int | None:
+    """The pid of the process that entered ``distributed()`` (None outside it): a process it
+    forks keeps the context but is no rank (see :mod:`ddpctx.reduce.guard`).
+
+    >>> collective_process() is None  # outside distributed()
+    True
+    """
+    return _occupant_pid
 
 
 def occupant() -> Placed | None:

@@ -5,9 +5,13 @@ Kronos' ``QlibDataset`` (finetune/dataset.py at master 67b630e) keeps
 ``set_epoch_seed(epoch)`` and ignores the index it is given: each item is a
 random window. ``--draw private`` is that dataset unchanged; ``--draw global``
 is it with the one-line fix ddpctx's warning names (``random.randint`` for
-``self.py_rng.randint``).
+``self.py_rng.randint``). ``--draw rank-state`` keeps ``self.py_rng`` and saves
+it through ``rank_state={'rng': dataset.py_rng}`` with the documented guard
+(reseed only when ``loader.start == 0``); ``--draw rank-state-reseeded`` saves it
+so but reseeds in every epoch, the resumed one too (what undoes the restore).
 
-usage: kronos_resume.py OUT --draw {private,global} --workers N [--kill-after STEP]
+usage: kronos_resume.py OUT --draw {private,global,rank-state,rank-state-reseeded}
+       --workers N [--kill-after STEP]
 
 Every rank saves a checkpoint each ``SAVE_EVERY`` steps. With ``--kill-after``
 the last rank SIGKILLs itself right after the checkpoint of that global step,
@@ -52,7 +56,7 @@ class Windows(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         last = len(SERIES) - WINDOW - 1
-        if self.draw == "private":  # Kronos, unchanged: the index is ignored
+        if self.draw != "global":  # Kronos, unchanged: the index is ignored
             return self.window(self.py_rng.randint(0, last))
         return self.window(random.randint(0, last))  # the one-line fix
 
@@ -65,7 +69,9 @@ class Windows(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--draw", choices=["private", "global"], required=True)
+    parser.add_argument(
+        "--draw", choices=["private", "global", "rank-state", "rank-state-reseeded"], required=True
+    )
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill-after", type=int, default=None)
@@ -76,13 +82,15 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loader = ctx.dataloader(dataset, batch_size=4, shuffle=True, num_workers=args.workers)
         folder = args.out / "checkpoints"
-        meta = ctx.load_checkpoint(folder, model=model, optimizer=optimizer)
+        saved = {"rng": dataset.py_rng} if args.draw.startswith("rank-state") else None
+        meta = ctx.load_checkpoint(folder, model=model, optimizer=optimizer, rank_state=saved)
         start_epoch, step = (meta["epoch"], meta["step"]) if meta else (0, 0)
         if meta:
             ctx.print(f"resuming from epoch {start_epoch}, step {step}")
         trace = []
         for epoch in ctx.epochs(args.epochs, start=start_epoch):
-            dataset.set_epoch_seed(epoch)  # as Kronos does, also in the resumed epoch
+            if args.draw != "rank-state" or loader.start == 0:  # rank-state: not mid-epoch
+                dataset.set_epoch_seed(epoch)  # as Kronos does, also in the resumed epoch
             for starts, x, y in loader:
                 loss = nn.functional.mse_loss(model(x), y)
                 optimizer.zero_grad()
@@ -92,7 +100,12 @@ def main() -> None:
                 trace.append((epoch, step, starts.tolist()))
                 if step % SAVE_EVERY == 0:
                     ctx.save_checkpoint(
-                        folder, model=model, optimizer=optimizer, epoch=epoch, step=step
+                        folder,
+                        model=model,
+                        optimizer=optimizer,
+                        rank_state=saved,
+                        epoch=epoch,
+                        step=step,
                     )
                 last_rank = ctx.rank == ctx.world_size - 1
                 if step == args.kill_after and ctx.restart_count == 0 and last_rank:

@@ -1,0 +1,187 @@
+"""One small training script, run every way ddpctx lets it run: the equivalence matrix's job.
+
+usage: equivalence.py OUT --cells MODE:PRECISION[:stream][,...] [--workers N] [--kill-after STEP]
+                      [--async-save] [--metrics] [--reference]
+
+Each cell trains the same MLP on the same data (96 fixed samples, a global
+batch of 12 split over the ranks, 3 epochs, SGD with momentum) inside its own
+``distributed(seed=SEED, precision=PRECISION)`` block, with ``ctx.wrap``
+(MODE ``wrap``) or ``ctx.shard`` (MODE ``shard``), saving a checkpoint every
+``SAVE_EVERY`` steps into ``OUT/<cell>/checkpoints`` and resuming from the
+newest one on entry. With ``--kill-after`` the last rank SIGKILLs itself
+right after that global step on the first attempt (run it under
+``torchrun --max-restarts=1``). Rank 0 writes ``OUT/<cell>/result.pt``: the
+whole model's weights right after wrapping/sharding (``start``) and at the
+end (``final``), as ``ctx.full_state_dict`` gives them, the restart count and
+the step it resumed from. A last checkpoint holds the final weights. ``--metrics`` also
+calls ``ctx.log`` every step (the loss and the step timings, to
+``OUT/<cell>/log/metrics.jsonl``), which must change nothing.
+
+``--reference`` instead trains the same model in one plain process without
+ddpctx or torch.distributed, in float64, reading each step's global batch
+the way a DistributedSampler seeded with the base seed deals it out, and
+writes ``OUT/reference.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+SEED = 11
+SAMPLES = 96
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks: every world size reads the same batches
+EPOCHS = 3
+SAVE_EVERY = 5
+LEARNING_RATE = 0.05
+
+
+def make_model() -> nn.Module:
+    """Built after seeding: rank r's weights come from seed + r, rank 0's from SEED."""
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+
+
+def make_data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(SAMPLES, 8, generator=generator)
+    targets = torch.sin(inputs.sum(dim=1, keepdim=True)) + 0.1 * inputs[:, :1]
+    return TensorDataset(inputs, targets)
+
+
+class EpochStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The samples of :func:`make_data`, streamed in the epoch's order (the reference's)."""
+
+    def __init__(self) -> None:
+        self.data = make_data()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + self.epoch))
+        for index in order.tolist():
+            yield self.data[index]
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=0.9)
+
+
+def reference(out: Path) -> None:
+    """The float64 single-process run every cell is compared with."""
+    torch.manual_seed(SEED)
+    model = make_model()
+    start = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    model = model.double()
+    optimizer = make_optimizer(model)
+    inputs, targets = make_data().tensors
+    inputs, targets = inputs.double(), targets.double()
+    for epoch in range(EPOCHS):
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch))
+        for first in range(0, SAMPLES, GLOBAL_BATCH):
+            batch = order[first : first + GLOBAL_BATCH]
+            loss = nn.functional.mse_loss(model(inputs[batch]), targets[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    final = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    torch.save({"start": start, "final": final}, out / "reference.pt")
+
+
+def train_cell(
+    out: Path, cell: str, workers: int, kill_after: int | None, async_save: bool, log: bool = False
+) -> None:
+    from ddpctx import distributed
+
+    mode, precision, *data = cell.split(":")
+    stream = data == ["stream"]
+    folder = out / cell.replace(":", "-")
+    log_dir = folder / "log" if log else None
+    with distributed(seed=SEED, precision=precision, log_dir=log_dir) as ctx:
+        model = make_model()
+        model = ctx.wrap(model) if mode == "wrap" else ctx.shard(model, blocks=[nn.Linear])
+        start = ctx.full_state_dict(model)
+        optimizer = make_optimizer(model)
+        if stream:
+            loader = ctx.dataloader(
+                EpochStream(), batch_size=GLOBAL_BATCH // ctx.world_size, num_workers=workers
+            )
+        else:
+            loader = ctx.dataloader(
+                make_data(),
+                batch_size=GLOBAL_BATCH // ctx.world_size,
+                shuffle=True,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+            )
+        meta = ctx.load_checkpoint(folder / "checkpoints", model=model, optimizer=optimizer)
+        start_epoch, step = (meta["epoch"], meta["step"]) if meta else (0, 0)
+        resumed_step = step
+        for epoch in ctx.epochs(EPOCHS, start=start_epoch):
+            for inputs, targets in loader:
+                loss = nn.functional.mse_loss(model(inputs), targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                step += 1
+                if log:
+                    ctx.log({"loss": loss.detach()}, step=step, timings=True)
+                if step % SAVE_EVERY == 0:
+                    ctx.save_checkpoint(
+                        folder / "checkpoints",
+                        model=model,
+                        optimizer=optimizer,
+                        async_save=async_save,
+                        epoch=epoch,
+                        step=step,
+                    )
+                last_rank = ctx.rank == ctx.world_size - 1
+                if step == kill_after and ctx.restart_count == 0 and last_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        ctx.finish_checkpoint()
+        final = ctx.full_state_dict(model)
+        # the final weights as a checkpoint too: load_weights of it must give `final`
+        ctx.save_checkpoint(
+            folder / "checkpoints", model=model, optimizer=optimizer, epoch=EPOCHS - 1, step=step
+        )
+        if ctx.is_main:
+            record = {
+                "start": start,
+                "final": final,
+                "restart_count": ctx.restart_count,
+                "world_size": ctx.world_size,
+                "steps": step,
+                "resumed_step": resumed_step,
+            }
+            torch.save(record, folder / "result.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--cells", default="")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--kill-after", type=int, default=None)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--metrics", action="store_true")
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    if args.reference:
+        reference(args.out)
+        return
+    for cell in filter(None, args.cells.split(",")):
+        train_cell(args.out, cell, args.workers, args.kill_after, args.async_save, args.metrics)
+
+
+if __name__ == "__main__":
+    main()
