@@ -232,6 +232,39 @@ def test_timings_split_a_step_into_data_and_compute() -> None:
     assert mine.data > mine.compute > mine.collective
 
 
+def log_timings_before_and_after_steps(op: str) -> tuple[dict[str, Any], ...]:
+    from ddpctx import current
+
+    ctx = current()
+    assert ctx is not None
+    before = ctx.log({"loss": 1.0, "count": 2}, op=op, timings=True)
+    for _ in ctx.dataloader(list(range(12)), batch_size=2):
+        busy(0.002 * (ctx.rank + 1))
+    after = ctx.log({"loss": 1.0, "count": 2}, op=op, timings=True)
+    everyone = ctx.timings()
+    mean_step_ms = sum(1000.0 * t.step for t in everyone.values()) / len(everyone)
+    return before, after, {"mean_step_ms": mean_step_ms}
+
+
+@pytest.mark.parametrize("op", ["mean", "sum", "max"])
+def test_timings_are_left_out_until_measured_and_averaged_whatever_the_op(
+    run_distributed: Any, op: str
+) -> None:
+    before, after, reference = run_distributed(log_timings_before_and_after_steps, op)[0]
+    assert "timings" not in before, before  # no rank has a step: not 0 ms
+    assert before["loss"] == {"mean": 1.0, "sum": 2.0, "max": 1.0}[op]
+    assert after["loss"] == before["loss"]
+    assert set(after["timings"]) == {"data_ms", "compute_ms", "collective_ms", "step_ms"}
+    assert after["timings"]["step_ms"] > 0
+    # a mean over the ranks, as ctx.timings() gives them, never their sum or max
+    assert after["timings"]["step_ms"] == pytest.approx(reference["mean_step_ms"], rel=1e-9)
+
+
+def test_a_metric_named_timings_beside_timings_true_is_refused_naming_it() -> None:
+    with distributed() as ctx, pytest.raises(ValueError, match=r"already hold one \(3\)"):
+        ctx.log({"timings": 3}, timings=True)
+
+
 def test_the_jsonl_and_csv_loggers_keep_the_steps_a_checkpoint_covers(tmp_path: Path) -> None:
     for logger in (JsonlLogger(tmp_path), CsvLogger(tmp_path)):
         logger.resume(None)

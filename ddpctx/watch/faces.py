@@ -28,6 +28,33 @@ from ddpctx.watch.trail import Trail
 from ddpctx.watch.watcher import Watcher
 
 
+#: The leaf that says whether any rank has measured a step (the max of the counts), dropped
+#: from what ``ctx.log`` returns.
+MEASURED = "ddpctx_measured_steps"
+
+
+def with_timings(
+    metrics: Mapping[str, Any], op: OpSpec, mine: PhaseTimes
+) -> tuple[dict[str, Any], OpSpec]:
+    """``metrics`` with this rank's timings under ``"timings"``, and the op that averages them.
+
+    The user's ``op`` still applies to every one of their keys; the timings are a mean.
+
+    >>> metrics, op = with_timings({"loss": 1.0}, "sum", PhaseTimes(0, "h", 0, 0, 0, 0))
+    >>> sorted(metrics["timings"])[-1], op
+    ('step_ms', {'loss': 'sum', 'timings': 'mean', 'ddpctx_measured_steps': 'max'})
+    """
+    if "timings" in metrics:
+        raise ValueError(
+            f"ctx.log(..., timings=True) adds the key 'timings', but the metrics already hold "
+            f"one ({metrics['timings']!r}). Rename that metric, or log without timings=True."
+        )
+    ops = dict(op) if isinstance(op, Mapping) else {key: op for key in metrics}
+    ops.update(timings="mean", **{MEASURED: "max"})
+    timed = {**metrics, "timings": {**mine.as_metrics(), MEASURED: float(mine.steps)}}
+    return timed, ops
+
+
 class Watch:
     """One block's watching: trail, clock, straggler watcher, profiles; :meth:`stop` ends them."""
 
@@ -114,7 +141,9 @@ class WatchFaces:
         ``"outer/inner"`` names). ``step`` defaults to one after the last step
         logged (0 first; after ``load_checkpoint``, the checkpoint's next).
         ``timings=True`` adds this rank's median step timings
-        (``timings/data_ms``, ...), averaged over ranks. Rank 0's loggers
+        (``timings/data_ms``, ...), averaged over ranks whatever ``op`` is,
+        once any rank has measured a step (before that they are left out,
+        not written as 0 ms). Rank 0's loggers
         (``distributed(log_dir=..., loggers=...)``) write on a thread of their
         own; every rank gets the reduced values back.
 
@@ -129,11 +158,13 @@ class WatchFaces:
         number = trail.next_step(step) if trail is not None else step
         check_scalars(metrics)
         if timings:
-            metrics = {**metrics, "timings": self._own_timings().as_metrics()}
+            metrics, op = with_timings(metrics, op, self._own_timings())
         caller = sys._getframe(1)
         key = f"log:{caller.f_code.co_filename}:{caller.f_lineno}"
         site = self._sites.setdefault(key, Site(f"ctx.log at {key[4:]}"))
         reduced: dict[str, Any] = all_reduce_tree(dict(metrics), op, weight, site=site)
+        if timings and not reduced["timings"].pop(MEASURED):
+            del reduced["timings"]  # no rank has measured a step yet: nothing to say
         if trail is not None and number is not None:
             trail.record(number, reduced)
         return reduced
