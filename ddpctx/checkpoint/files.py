@@ -59,6 +59,7 @@ from torch import nn
 from ddpctx.checkpoint.sums import intact, sidecar
 from ddpctx.parallel.wrapping import unwrap_model
 from ddpctx.utils.atomic import atomic_save, remove_abandoned
+from ddpctx.utils.warn import warn_user
 
 __all__ = [
     "FORMAT",
@@ -195,11 +196,10 @@ def probe(path: Path) -> dict[str, Any] | None:
                 "file, load it with torch.load(path, weights_only=False), store its values as "
                 "plain numbers/strings/tensors, and save it again (or move it away)."
             ) from error
-        warnings.warn(
+        warn_user(
             f"skipping {str(path)!r}: it is torn or not a torch file ({type(error).__name__}: "
             f"{str(error)[:200]}); trying an older checkpoint.",
             RuntimeWarning,
-            stacklevel=3,
         )
         return None
     if not (isinstance(state, dict) and state.get("format") == FORMAT):

@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from typing import Any
 
@@ -40,6 +39,7 @@ from ddpctx.utils.seeding import (
     reseed_generator,
     set_generator_state,
 )
+from ddpctx.utils.warn import warn_user
 
 
 def check_rank_state(rank_state: dict[str, Any] | None) -> dict[str, Any]:
@@ -130,7 +130,7 @@ class RestoredWatch:
             if _same(generator_state(item), state):
                 continue
             what = "reseeded" if _freshly_seeded(item) else "reseeded or drawn from"
-            warnings.warn(
+            warn_user(
                 f"load_checkpoint restored rank_state[{name!r}] (a {generator_kind(item)}) from "
                 f"{self._where}, but it was {what} before the resumed epoch read its first "
                 "batch, which undoes the restore: the rest of the epoch draws other numbers "
@@ -142,7 +142,6 @@ class RestoredWatch:
                 "self.py_rng.randint), which ddpctx seeds per rank, worker and batch and saves "
                 "in every checkpoint.",
                 ReseededGeneratorWarning,
-                stacklevel=3,
             )
 
 

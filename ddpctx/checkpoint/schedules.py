@@ -29,12 +29,12 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from ddpctx.data.book import SavedLoader
 from ddpctx.data.sampling import ShardSampler
+from ddpctx.utils.warn import warn_user
 
 #: Scheduler attributes that hold a horizon counted in scheduler steps.
 HORIZONS = ("total_steps", "total_iters", "T_max", "T_0", "step_size_up")
@@ -123,9 +123,8 @@ def check_scheduler(
             f"on {loader.world_size} ranks, or leave scheduler= out of load_checkpoint and build "
             f"a new {name} for the steps left ({total})."
         )
-    warnings.warn(
+    warn_user(
         f"{facts}. If it is stepped once per batch, its schedule no longer fits: rebuild it "
         f"for {new} batches per epoch. If it is stepped once per epoch, nothing changes.",
         RuntimeWarning,
-        stacklevel=4,
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import warnings
 from pathlib import Path
 
 from ddpctx.checkpoint.files import (
@@ -32,6 +31,7 @@ from ddpctx.checkpoint.files import (
 )
 from ddpctx.checkpoint.sums import SHARDED_MANIFEST, intact
 from ddpctx.utils.atomic import is_abandoned
+from ddpctx.utils.warn import warn_user
 
 STATE_FILE = "ddpctx.pt"
 _NAME = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.dcp$")
@@ -65,18 +65,16 @@ def complete(path: Path) -> bool:
     The checksums are verified before anything in it is unpickled.
     """
     if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
-        warnings.warn(
+        warn_user(
             f"skipping {str(path)!r}: it lacks {STATE_FILE} or DCP's .metadata (incomplete, or "
             "altered after it was written); trying an older checkpoint.",
             RuntimeWarning,
-            stacklevel=3,
         )
         return False
     if not (path / SHARDED_MANIFEST).exists() and (why := short_shard(path)):
-        warnings.warn(
+        warn_user(
             f"skipping {str(path)!r}: it is torn: {why}; trying an older checkpoint.",
             RuntimeWarning,
-            stacklevel=3,
         )
         return False
     if not intact(path / SHARDED_MANIFEST, path, (STATE_FILE, ".metadata"), path):

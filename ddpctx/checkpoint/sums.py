@@ -44,11 +44,11 @@ import errno
 import json
 import os
 import re
-import warnings
 import zlib
 from pathlib import Path
 
 from ddpctx.utils.atomic import fsync_directory, no_space_error, temporary_name
+from ddpctx.utils.warn import warn_user
 
 FORMAT = "ddpctx-sums-1"
 SHARDED_MANIFEST = "ddpctx.sums"
@@ -173,16 +173,15 @@ def intact(manifest: Path, folder: Path, must_list: tuple[str, ...], where: Path
     A damaged one is skipped with a warning naming the file and both checksums.
     """
     if not manifest.exists():
-        warnings.warn(unverified_warning(where, manifest), RuntimeWarning, stacklevel=3)
+        warn_user(unverified_warning(where, manifest), RuntimeWarning)
         return True
     reason = damage(manifest, folder, must_list)
     if reason is None:
         return True
-    warnings.warn(
+    warn_user(
         f"skipping {str(where)!r}: it is damaged: {reason}. It was altered or corrupted after "
         "it was saved, so it is not loaded; trying an older checkpoint. (If you changed it on "
         f"purpose, remove {str(manifest)!r} to load it unverified.)",
         RuntimeWarning,
-        stacklevel=3,
     )
     return False

@@ -54,6 +54,7 @@ from ddpctx.checkpoint.shardfiles import (
     newest_is_sharded,
 )
 from ddpctx.checkpoint.sums import intact, sidecar
+from ddpctx.utils.warn import warn_user
 
 __all__ = ["checkpoint_meta", "chosen_checkpoint", "load_weights", "resolve"]
 
@@ -99,7 +100,7 @@ def resolve(path: str | os.PathLike[str]) -> Path | None:
             good = intact(sidecar(where), where.parent, (where.name,), where) and _probed(where)
     for warning in caught:
         if good:  # e.g. "no checksum manifest": said as loading would say it
-            warnings.warn(warning.message, RuntimeWarning, stacklevel=3)
+            warn_user(warning.message, RuntimeWarning)
     if not good:
         said = "; ".join(str(w.message) for w in caught) or "it does not load"
         said = said.replace("; trying an older checkpoint", "")  # none is: it was named

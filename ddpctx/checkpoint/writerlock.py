@@ -60,13 +60,13 @@ import os
 import socket
 import stat
 import sys
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpctx.utils.atomic import pid_alive
+from ddpctx.utils.warn import warn_user
 
 LOCK_FILE = ".ddpctx-writer.lock"
 
@@ -285,13 +285,12 @@ def _lock(descriptor: int, path: Path) -> bool:
     except OSError as error:
         if error.errno not in _UNSUPPORTED:
             raise
-        warnings.warn(
+        warn_user(
             f"cannot lock {str(path)!r} ({error.strerror}): this file system does not support "
             "flock, so a second job writing the same checkpoint directory is detected only "
             "when it writes a newer checkpoint. Give each run its own directory (or mount with "
             "locking, e.g. Lustre's -o flock).",
             RuntimeWarning,
-            stacklevel=4,
         )
         return False
     return True

@@ -48,10 +48,11 @@ import contextlib
 import functools
 import random
 import types
-import warnings
 
 import numpy as np
 import torch
+
+from ddpctx.utils.warn import warn_user
 
 #: How deep the search follows attributes and items, and how many objects it visits at most.
 MAX_DEPTH = 6
@@ -146,7 +147,7 @@ def warn_private_generators(dataset: object, collate_fn: object) -> None:
         found += private_generators(collate_fn, "collate_fn")
     for path, kind in found:
         fix = next(example for _, label, example in _GENERATORS if label == kind)
-        warnings.warn(
+        warn_user(
             f"ctx.dataloader: {path} is a private {kind}. ddpctx cannot seed it per worker, "
             "so with num_workers > 0 every worker starts from a copy of it and draws the same "
             "numbers, and it is in no checkpoint unless you pass it to save_checkpoint and "
@@ -162,5 +163,4 @@ def warn_private_generators(dataset: object, collate_fn: object) -> None:
             "warnings.filterwarnings('ignore', "
             "category=ddpctx.data.generators.PrivateGeneratorWarning).",
             PrivateGeneratorWarning,
-            stacklevel=4,
         )

@@ -36,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import gc
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from ddpctx.data.streamsplit import (
     WorkerPlan,
     fingerprint,
 )
+from ddpctx.utils.warn import warn_user
 
 #: The most batches a rank reads ahead to agree with the others on the epoch's end.
 LOOKAHEAD = 8
@@ -181,7 +181,7 @@ class StreamLoader(DataLoader[Any]):
         plan = self._plan if self._plan is not None and self._plan.epoch == self.epoch else None
         self._plan = None
         if plan is not None and self._replay_note is not None:  # said at the user's loop
-            warnings.warn(self._replay_note, StreamReplayWarning, stacklevel=2)
+            warn_user(self._replay_note, StreamReplayWarning)
             self._replay_note = None
         batches = self._pass_batches(plan)
         return batches if self.timed is None else self.timed(batches)

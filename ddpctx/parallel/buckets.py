@@ -55,12 +55,13 @@ Example:
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import torch.distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ddpctx.utils.warn import warn_user
 
 #: The attribute that holds the layout a load installed, for a save before the next rebuild.
 _INSTALLED = "_ddpctx_installed_bucket_layout"
@@ -129,12 +130,11 @@ def install_bucket_layout(model: nn.Module, layout: Any) -> bool:
             return False
         unfit = _unfit_bucket(layout, parameters, expect_sparse_gradient)
         if unfit:
-            warnings.warn(
+            warn_user(
                 f"the checkpoint's DDP gradient-bucket layout does not fit this model ({unfit}), "
                 "so it keeps DDP's default layout: from 3 ranks its first resumed steps may "
                 "differ from the uninterrupted run's in the last bits.",
                 RuntimeWarning,
-                stacklevel=4,
             )
             return False
         remove_old_hooks = ddp.reducer._remove_autograd_hooks
@@ -192,14 +192,13 @@ def _reducer_arguments(
 @functools.cache
 def _unsupported(reason: str) -> None:
     """Warn (once per reason) that this torch cannot be given a saved layout."""
-    warnings.warn(
+    warn_user(
         f"torch {torch.__version__} cannot be given the saved DDP gradient-bucket layout "
         f"(its private DDP API differs: {reason}), so the resumed model keeps DDP's default "
         "layout: the load goes on, but from 3 ranks its first resumed steps may differ from "
         "the uninterrupted run's in the last bits. Use the torch version ddpctx is tested "
         "with (2.13) for bit-identical resumes.",
         RuntimeWarning,
-        stacklevel=5,
     )
 
 

@@ -9,6 +9,7 @@
   torchrun's error file.
 - :mod:`~ddpctx.utils.identity`: who this process is (the one "current context" slot).
 - :mod:`~ddpctx.utils.issuing`: the ``@all_reduced`` site being reduced (for debug mode).
+- :mod:`~ddpctx.utils.warn`: warnings that name the user's line, not ddpctx's.
 - :mod:`~ddpctx.utils.moved`: old import paths that still work, with a deprecation warning.
 
 May import: nothing else of ddpctx.

@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ddpctx.utils.warn import warn_user
 from ddpctx.watch.loggers import flat_metrics
 
 #: The checkpoint meta key under which the last logged step travels (popped at load).
@@ -89,12 +90,11 @@ class Trail:
         saved = None if meta is None else meta.pop(META_KEY, None)
         step = saved if isinstance(saved, int) and saved >= 0 else None
         if self.logged and step is not None and self._writer is not None:
-            warnings.warn(
+            warn_user(
                 f"ctx.log was called before load_checkpoint: the metrics trail started afresh, "
                 f"so what an earlier attempt logged up to step {step} is gone from the files. "
                 "Call load_checkpoint before the first ctx.log to keep it.",
                 RuntimeWarning,
-                stacklevel=3,
             )
         self.last_step = -1 if step is None else step
         if self._writer is not None:
