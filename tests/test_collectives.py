@@ -102,6 +102,32 @@ def test_weighted_mean_weighs_each_rank_by_its_count(dist_ctx: DistContext) -> N
 
 
 @RANKS
+def test_a_rank_that_counted_nothing_adds_nothing_not_the_nan_of_its_empty_mean(
+    dist_ctx: DistContext,
+) -> None:
+    # rank 0 holds every sample; the others' shards are empty (pad=False), and the mean
+    # of an empty batch is NaN (mse_loss of empty tensors), as an array, an inf, a tensor
+    n = 5 if dist_ctx.rank == 0 else 0
+    pred, target = torch.zeros(n, 1), torch.ones(n, 1)
+    empty = dist_ctx.rank != 0
+
+    @all_reduced(weight="count")
+    def evaluate() -> dict[str, Any]:
+        return {
+            "loss": torch.nn.functional.mse_loss(pred, target),
+            "inf": math.inf if empty else 2.0,
+            "per_class": np.array([math.nan, math.nan]) if empty else np.array([1.0, 3.0]),
+            "count": n,
+        }
+
+    result = evaluate()
+    assert result["loss"].item() == 1.0
+    assert result["inf"] == 2.0
+    assert result["per_class"].tolist() == [1.0, 3.0]
+    assert result["count"] == 5
+
+
+@RANKS
 def test_a_total_weight_of_zero_gives_nan_not_zero(dist_ctx: DistContext) -> None:
     result = all_reduced(weight="count")(lambda: {"loss": 0.0, "count": 0})()
     assert math.isnan(result["loss"])

@@ -236,8 +236,9 @@ def all_reduced(
             result keys to ops (unnamed leaves use "mean").
         weight: the name of a count leaf (e.g. ``"count"``): counts are
             summed and each "mean" leaf becomes the count-weighted mean over
-            ranks; a total count of 0 gives NaN, never 0; a negative one is an
-            error on every rank.
+            ranks; a rank whose count is 0 contributes nothing (not the NaN
+            of its empty batch's mean); a total count of 0 gives NaN, never
+            0; a negative one is an error on every rank.
 
         async_op: return a :class:`~ddpctx.reduce.handles.Reduction` handle at once;
             ``.result()`` gives the value (or raises what the synchronous call

@@ -23,13 +23,24 @@ _INT64 = 2**64
 
 
 def times(value: Any, weight: Any) -> Any:
-    """``value * weight`` formed in float64 (floats and ints alike)."""
+    """``value * weight`` formed in float64 (floats and ints alike).
+
+    A weight of 0 gives exactly 0, even for a NaN or infinite value: a rank
+    that counted no samples contributes nothing to a weighted mean, not the
+    NaN that the mean of its empty batch is (``mse_loss`` of empty tensors).
+
+    >>> times(float("nan"), 0), times(2.5, 2)
+    (0.0, 5.0)
+    """
     factor = float(weight)
     if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64) * factor
+        product = value.detach().to(torch.float64)
+        return torch.zeros_like(product) if factor == 0 else product * factor
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.astype(np.float64) * factor)
-    return float(value) * factor
+        return torch.from_numpy(
+            np.zeros(value.shape) if factor == 0 else value.astype(np.float64) * factor
+        )
+    return 0.0 if factor == 0 else float(value) * factor
 
 
 def from_numpy(array: np.ndarray[Any, Any]) -> torch.Tensor:
