@@ -265,6 +265,24 @@ def test_a_metric_named_timings_beside_timings_true_is_refused_naming_it() -> No
         ctx.log({"timings": 3}, timings=True)
 
 
+def test_a_step_below_the_last_one_logged_is_refused_and_the_trail_stays_once_per_step(
+    tmp_path: Path,
+) -> None:
+    with distributed(log_dir=tmp_path, loggers=("jsonl", "csv")) as ctx:
+        for _ in range(6):
+            ctx.log({"loss": 1.0})  # steps 0..5
+        with pytest.raises(
+            ValueError, match=r"ctx.log\(step=2\) is below the last step logged \(5\)"
+        ):
+            ctx.log({"x": 1.0}, step=2)
+        ctx.log({"val": 2.0}, step=5)  # the same step adds to it
+        ctx.log({"loss": 0.5})  # 6
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [0, 1, 2, 3, 4, 5, 5, 6]
+
+
 def test_the_jsonl_and_csv_loggers_keep_the_steps_a_checkpoint_covers(tmp_path: Path) -> None:
     for logger in (JsonlLogger(tmp_path), CsvLogger(tmp_path)):
         logger.resume(None)

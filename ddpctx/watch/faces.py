@@ -27,7 +27,6 @@ from ddpctx.watch.straggler import StragglerSettings
 from ddpctx.watch.trail import Trail
 from ddpctx.watch.watcher import Watcher
 
-
 #: The leaf that says whether any rank has measured a step (the max of the counts), dropped
 #: from what ``ctx.log`` returns.
 MEASURED = "ddpctx_measured_steps"

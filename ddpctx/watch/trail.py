@@ -63,6 +63,13 @@ class Trail:
                 f"ctx.log(step={step!r}): a step is a whole number from 0 on (or None for "
                 "the one after the last step logged)."
             )
+        if step < self.last_step:
+            raise ValueError(
+                f"ctx.log(step={step}) is below the last step logged ({self.last_step}): the "
+                "metrics trail only goes forward, so that every step appears once in every "
+                "logger (a resumed run continues from its checkpoint's step). Pass a step "
+                f">= {self.last_step} (the same step adds metrics to it), or leave step= out."
+            )
         return step
 
     def record(self, step: int, values: Any) -> None:
