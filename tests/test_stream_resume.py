@@ -6,6 +6,7 @@ the ``:stream`` cells).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -84,7 +85,8 @@ def run(
 ) -> list[torch.Tensor]:
     """Two epochs, batches of 4; with ``stop_at``, save at that step and stop; resume first."""
     read = []
-    with distributed(seed=3) as ctx:
+    active = current()  # a rank of the plugin's pool is inside distributed() already
+    with contextlib.nullcontext(active) if active is not None else distributed(seed=3) as ctx:
         model = nn.Linear(2, 1)
         loader = ctx.dataloader(
             DATASETS[kind](), batch_size=4, num_workers=workers, shuffle_buffer=buffer or None
@@ -125,6 +127,20 @@ def test_a_stream_resumed_mid_epoch_reads_exactly_what_an_uninterrupted_run_read
     first = run(kind, tmp_path / "cut", workers=workers, buffer=buffer, stop_at=7)
     rest = run(kind, tmp_path / "cut", workers=resumed_workers, buffer=buffer)
     assert same(first + rest, whole)
+
+
+def replay_notes_on_this_rank(folder: str) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run("replayed", Path(folder))
+    return sum(issubclass(w.category, StreamReplayWarning) for w in caught)
+
+
+def test_a_replayed_resume_is_said_once_for_the_job_not_once_per_rank(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    run_distributed(lambda: run("replayed", tmp_path, stop_at=3), world_size=3)
+    assert run_distributed(replay_notes_on_this_rank, str(tmp_path), world_size=3) == [1, 0, 0]
 
 
 def test_replay_says_its_cost_once_and_stateful_streams_need_none(tmp_path: Path) -> None:

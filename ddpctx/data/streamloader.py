@@ -180,8 +180,9 @@ class StreamLoader(DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         plan = self._plan if self._plan is not None and self._plan.epoch == self.epoch else None
         self._plan = None
-        if plan is not None and self._replay_note is not None:  # said at the user's loop
-            warn_user(self._replay_note, StreamReplayWarning)
+        if plan is not None and self._replay_note is not None:  # said at the user's loop,
+            if self.shard.rank == 0:  # once for the job
+                warn_user(self._replay_note, StreamReplayWarning)
             self._replay_note = None
         batches = self._pass_batches(plan)
         return batches if self.timed is None else self.timed(batches)
@@ -326,8 +327,8 @@ class StreamLoader(DataLoader[Any]):
             self._replay_note = (
                 f"ctx.dataloader resumes {type(self.shard.dataset).__name__} mid-epoch "
                 f"{saved.epoch} by reading its stream again from the start of the epoch and "
-                f"skipping the {start} batches (about {samples} samples) this rank had read; "
-                "each worker reads them again. "
+                f"skipping the {start} batches (about {samples} samples) rank 0 had read (every "
+                "rank skips its own); each worker reads them again. "
                 + (
                     "It has no state_dict()/load_state_dict(); give it both (the torchdata "
                     "Stateful protocol) to resume from its saved state instead."
