@@ -148,6 +148,11 @@ def file_in_the_way(ctx: Any, tmp: Path) -> None:
         pass
 
 
+def file_as_checkpoint_directory(ctx: Any, tmp: Path) -> None:
+    (tmp / "afile").write_text("not a directory")
+    ctx.save_checkpoint(tmp / "afile", model=torch.nn.Linear(1, 1))
+
+
 def changed_data(tmp: Path) -> None:
     with distributed() as ctx:
         loader = ctx.dataloader(list(range(8)), batch_size=2)  # held: a dropped one is not saved
@@ -653,6 +658,13 @@ ROWS = [
         ValueError,
         "The data changed length, so that position cannot be resumed",
         changed_data,
+    ),
+    Row(
+        "checkpoint",
+        "save_checkpoint into a path that is a file",
+        NotADirectoryError,
+        "is a file, not a directory; checkpoints are saved into a directory",
+        in_context(file_as_checkpoint_directory),
     ),
     Row(
         "atomic_dir",

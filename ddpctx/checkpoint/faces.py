@@ -25,6 +25,23 @@ from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
 
 
+def checkpoint_directory(directory: str | os.PathLike[str], method: str) -> Path:
+    """``directory`` as a path, refused by name where a file stands in its place.
+
+    >>> checkpoint_directory("runs/ckpt", "save_checkpoint")
+    PosixPath('runs/ckpt')
+    """
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"ctx.{method}({str(directory)!r}): {str(path)!r} is a file, not a directory; "
+            "checkpoints are saved into a directory, one file or folder per checkpoint. "
+            f"Pass a directory (e.g. {str(path.with_suffix('')) + '_checkpoints'!r}), or move "
+            "the file away."
+        )
+    return path
+
+
 class CheckpointFaces:
     """``ctx.save``, ``ctx.load``, ``ctx.save_checkpoint``, ``ctx.load_checkpoint``."""
 
@@ -102,6 +119,7 @@ class CheckpointFaces:
         the block (:mod:`ddpctx.checkpoint.pending`).
         """
         self.finish_checkpoint()  # at most one save in flight
+        directory = checkpoint_directory(directory, "save_checkpoint")
         if self._before_save is not None:
             meta = {**meta, **self._before_save()}
         if async_save is not False:
@@ -167,6 +185,7 @@ class CheckpointFaces:
         (:mod:`ddpctx.checkpoint.sharded`).
         """
         self.finish_checkpoint()
+        directory = checkpoint_directory(directory, "load_checkpoint")
         sharded_read = sharded.reads_sharded(self._place(), Path(directory), model)
         reader = sharded.load if sharded_read else resume.load
         meta = reader(
