@@ -169,7 +169,28 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
     return run
 
 
-@pytest.mark.parametrize("where", [where for where, code in BLOCKS if not is_a_test_file(code)])
+#: Examples a test of their own runs, checking what they print: not run twice.
+RUN_BY_THEIR_OWN_TESTS = {
+    # train, resume, sample and export, in that order
+    **{
+        f"docs/guides/checkpoints-beyond-the-run.md#{n}": "tests/test_weights.py" for n in (1, 2, 3)
+    },
+    "docs/guides/streaming-data.md#1": "tests/test_streams.py",
+}
+
+
+def test_the_examples_run_elsewhere_are_still_on_their_pages() -> None:
+    assert set(RUN_BY_THEIR_OWN_TESTS) <= set(dict(BLOCKS))
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        where
+        for where, code in BLOCKS
+        if not is_a_test_file(code) and where not in RUN_BY_THEIR_OWN_TESTS
+    ],
+)
 @pytest.mark.slow
 def test_example_runs(where: str, examples: Callable[[str], Any]) -> None:
     result = examples(where)
