@@ -28,6 +28,9 @@ from ddpctx.utils.identity import Place
 def checkpoint_directory(directory: str | os.PathLike[str], method: str) -> Path:
     """``directory`` as a path, refused by name where a file stands in its place.
 
+    (``load_checkpoint`` says more: a checkpoint file given for its directory is
+    named as such, in :func:`ddpctx.checkpoint.files.refuse_a_file`.)
+
     >>> checkpoint_directory("runs/ckpt", "save_checkpoint")
     PosixPath('runs/ckpt')
     """
@@ -185,7 +188,6 @@ class CheckpointFaces:
         (:mod:`ddpctx.checkpoint.sharded`).
         """
         self.finish_checkpoint()
-        directory = checkpoint_directory(directory, "load_checkpoint")
         sharded_read = sharded.reads_sharded(self._place(), Path(directory), model)
         reader = sharded.load if sharded_read else resume.load
         meta = reader(
