@@ -72,6 +72,7 @@ def test_the_per_call_cpu_cost_row_runs() -> None:
 
 @settings(deadline=None)  # the module loads in each example; a busy machine is slow at it
 @given(st.lists(st.floats(0.5, 2.0), min_size=1, max_size=60))
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_ratios_interval_holds_its_median_within_the_samples(ratios: list[float]) -> None:
     runner = load_runner()
     middle, low, high = runner.median_interval(ratios, resamples=200)

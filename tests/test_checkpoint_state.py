@@ -218,6 +218,7 @@ def test_checkpoints_left_past_keep_by_a_stop_are_pruned_at_load(tmp_path: Path)
     ]
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_second_job_writing_the_same_directory_is_refused(tmp_path: Path) -> None:
     with distributed() as ctx:
         ctx.save_checkpoint(tmp_path, model=nn.Linear(1, 1), epoch=0)
@@ -267,6 +268,7 @@ def test_a_killed_saves_temporary_is_removed_at_the_next_load(tmp_path: Path) ->
     assert checkpoint_names(tmp_path) == ["checkpoint-000001-epoch0.pt"]
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_read_only_checkpoint_directory_loads_and_refuses_a_save_by_name(
     tmp_path: Path,
 ) -> None:

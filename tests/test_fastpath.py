@@ -96,6 +96,7 @@ def same(got: Any, want: Any) -> bool:
 
 
 @RANKS
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_the_fast_path_equals_the_general_path_bit_for_bit(dist_ctx: DistContext) -> None:
     rank, n = dist_ctx.rank, dist_ctx.world_size
 

@@ -311,6 +311,7 @@ def test_the_silence_of_a_rank_that_does_not_answer_is_as_of_the_incidents_openi
     assert reporter.opened(1) == opened
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_watchdog_that_could_not_run_says_for_how_long_in_its_answer() -> None:
     # Rank 1's main thread holds the GIL in native code for 4 s (so its watchdog cannot
     # run) while rank 0 opens an incident; once back, the watchdog answers with the stall.

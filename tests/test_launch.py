@@ -117,6 +117,7 @@ def print_then_work_on_rank_zero_fail_on_rank_one() -> None:
         raise ValueError("bad shard on rank 1")
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_rank_error_keeps_the_output_of_ranks_still_running_when_another_failed() -> None:
     with pytest.raises(RankError) as raised:
         launch(print_then_work_on_rank_zero_fail_on_rank_one, world_size=2)
@@ -291,6 +292,7 @@ def test_a_rank_error_names_the_follow_on_transport_errors_without_native_paths(
     assert ".cc:" not in message, message  # gloo's C++ source path is not the reader's concern
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_hang_is_reported_with_every_ranks_stack() -> None:
     started = time.monotonic()
     with pytest.raises(RankTimeoutError) as raised:
@@ -503,6 +505,7 @@ def start_a_child_then_fail(folder: str) -> None:
         raise ValueError("rank 1 fails while rank 0 has a child process")
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_failure_leaves_no_process_a_rank_started_and_runs_its_finally(tmp_path: Path) -> None:
     with pytest.raises(RankError, match="rank 1 failed: ValueError"):
         launch(start_a_child_then_fail, str(tmp_path), world_size=2, timeout=60)
@@ -524,6 +527,7 @@ def test_launch_prints_all_of_a_long_output(capsys: pytest.CaptureFixture[str]) 
         assert lines[0].endswith(f"line 00000 of a long log from rank {rank}")
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_no_pymp_folder_is_left_when_a_rank_returned_a_tensor_and_another_failed(
     tmp_path: Path, child_tmp: Path
 ) -> None:

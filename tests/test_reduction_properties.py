@@ -174,6 +174,7 @@ def expected_type(kind: str, op: str, original: Any) -> type:
 
 
 @RANKS
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_reductions_match_the_exact_reference(dist_ctx: DistContext) -> None:
     n, rank = dist_ctx.world_size, dist_ctx.rank
 
@@ -246,6 +247,7 @@ def large_leaves(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @pytest.mark.distributed(world_size=3, timeout=240)
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_large_leaves_are_summed_as_the_readme_promises_next_to_torchs_all_reduce(
     dist_ctx: DistContext,
 ) -> None:

@@ -500,6 +500,7 @@ def test_a_resized_epoch_reads_every_sample_left_once_also_under_drop_last(
     pad=st.booleans(),
     data=st.data(),
 )
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_any_chain_of_world_sizes_under_drop_last_leaves_less_than_a_batch_unread(
     length: int, batch_size: int, sizes: list[int], pad: bool, data: st.DataObject
 ) -> None:

@@ -102,6 +102,7 @@ def assert_same_state(mine: Any, theirs: Any, where: str = "") -> None:
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)], ids=["2-to-3", "3-to-2"])
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_sharded_checkpoint_loads_at_another_world_size_with_identical_state(
     run_distributed: Any, tmp_path: Path, before: int, after: int
 ) -> None:
@@ -172,6 +173,7 @@ def train_sharded_run(folder: str, save_at: int | None, kill_at: int | None) -> 
     return {"trace": trace, "weights": ctx.full_state_dict(model)}
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_sigkill_mid_epoch_then_resume_ends_bit_identical(
     run_distributed: Any, tmp_path: Path
 ) -> None:

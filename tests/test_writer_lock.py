@@ -46,6 +46,7 @@ def claims() -> Iterator[Claims]:
     held.release()
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_child_forked_after_the_claim_neither_holds_nor_removes_the_writers_lock(
     tmp_path: Path, claims: Claims
 ) -> None:
@@ -149,6 +150,7 @@ except Exception as error:
 """
 
 
+@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_another_users_unreadable_lock_file_is_refused_naming_its_owner() -> None:
     folder = Path(tempfile.mkdtemp())
     try:
