@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -49,6 +50,15 @@ def test_only_gloo_workers_are_read_and_busy_ones_are_waited_for(
     assert quiesce_gloo_workers(timeout_s=0.02, tasks=tasks) is not busy
 
 
+@pytest.mark.parametrize("line", ["", "12 (pt_gloo", "12 (pt_gloo_runloop)", "12 (x) "])
+def test_a_stat_line_without_a_state_is_left_out(tmp_path: Path, line: str) -> None:
+    tasks = tmp_path / "task"
+    (tasks / "7").mkdir(parents=True)
+    (tasks / "7" / "comm").write_text(WORKER_NAME + "\n")
+    (tasks / "7" / "stat").write_text(line)
+    assert worker_states(tasks) == []
+
+
 def test_a_name_holding_a_parenthesis_is_read_by_its_last_one(tmp_path: Path) -> None:
     tasks = tmp_path / "task"
     (tasks / "7").mkdir(parents=True)
@@ -66,7 +76,12 @@ def test_no_proc_folder_returns_at_once(tmp_path: Path) -> None:
 def test_a_worker_that_goes_to_sleep_ends_the_wait(tmp_path: Path) -> None:
     tasks = fake_tasks(tmp_path / "task", [(WORKER_NAME, "R"), (WORKER_NAME, "S")])
     stat = tasks / "100" / "stat"
-    timer = threading.Timer(0.2, lambda: stat.write_text(f"100 ({WORKER_NAME}) S 1 1\n"))
+
+    def fall_asleep() -> None:  # replaced whole, as /proc shows a line: never read half-written
+        (tasks / "100" / "stat.new").write_text(f"100 ({WORKER_NAME}) S 1 1\n")
+        os.replace(tasks / "100" / "stat.new", stat)
+
+    timer = threading.Timer(0.2, fall_asleep)
     timer.start()
     try:
         started = time.monotonic()

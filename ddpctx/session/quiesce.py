@@ -62,8 +62,11 @@ def worker_states(tasks: Path = Path("/proc/self/task")) -> list[str]:
             stat = (thread / "stat").read_text()
         except OSError:
             continue
-        # "tid (comm) S ...": the state follows the last ')' (a name may hold one).
-        states.append(stat.rsplit(")", 1)[1].split()[0])
+        # "tid (comm) S ...": the state follows the last ')' (a name may hold one); a line
+        # read while it changed, without one, is left out like a thread that ended
+        fields = stat.rsplit(")", 1)[-1].split() if ")" in stat else []
+        if fields:
+            states.append(fields[0])
     return states
 
 
