@@ -2,7 +2,7 @@
 
 One small training script (tests/scripts/equivalence.py) runs as a float64
 single-process reference without ddpctx, and with ddpctx as ``ctx.wrap`` and
-``ctx.shard``, at every CPU ``precision=``, at 1 to 4 ranks, uninterrupted and
+``ctx.shard``, at every CPU ``precision=``, at 1 to 3 ranks, uninterrupted and
 SIGKILLed-and-resumed under ``torchrun --max-restarts=1`` (sync and async
 saves, 0 and 2 loader workers). The global batch is fixed (12 samples split
 over the ranks), so every world size reads the same batches in the same order.
@@ -57,7 +57,7 @@ PRECISIONS = ("32", "bf16-mixed", "bf16-true")
 MODES = ("wrap", "shard")
 CELLS = [f"{mode}:{precision}" for mode in MODES for precision in PRECISIONS]
 CELLS += [f"{mode}:32:stream" for mode in MODES]  # the same samples from an IterableDataset
-WORLD_SIZES = (1, 2, 3, 4)
+WORLD_SIZES = (1, 2, 3)  # 3: DDP rebuilds its buckets differently from 3 ranks on
 KILL_AFTER = 12  # checkpoints every 5 steps, 24 steps in all: resumed from step 10 (or 5)
 
 #: The largest absolute difference from the float64 reference each precision may show.
@@ -186,8 +186,7 @@ def test_load_weights_of_every_cells_last_checkpoint_is_its_full_state_dict(
 # The 2-rank sync cells without workers (wrap:32, shard:32) are killed and resumed by
 # test_logging_every_step_changes_nothing_and_survives_the_kill, which asserts the same and more.
 KILLED = [
-    pytest.param("wrap:32", 2, 2, False, id="wrap-2ranks-2workers"),
-    pytest.param("wrap:32", 3, 0, False, id="wrap-3ranks"),
+    pytest.param("wrap:32", 3, 2, False, id="wrap-3ranks-2workers"),
     pytest.param("wrap:bf16-mixed", 2, 0, False, id="wrap-bf16mixed-2ranks"),
     pytest.param("shard:32", 2, 2, True, id="shard-2ranks-async-2workers"),
     pytest.param("shard:bf16-mixed", 3, 0, True, id="shard-bf16mixed-3ranks-async"),

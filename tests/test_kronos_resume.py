@@ -61,7 +61,9 @@ def torchrun_run(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "2-workers"])
+# With loader workers only: without them a SIGKILLed run resumes bit-identically in the
+# 3-rank test below, the equivalence matrix and the demo's tests.
+@pytest.mark.parametrize("workers", [2], ids=["2-workers"])
 def test_a_kronos_style_dataset_resumes_bit_identically_after_sigkill(
     tmp_path: Path, workers: int
 ) -> None:
