@@ -6,13 +6,17 @@
 1
 
 Names are imported on first use, so that ``import ddpctx.testing`` (the pytest
-plugin, loaded by every pytest run) does not import torch.
+plugin, loaded by every pytest run) does not import torch. The module paths of
+the flat layout before the subpackages (``ddpctx.wire``, ...) still import for a
+release, each name with a ``DeprecationWarning``: :mod:`ddpctx.utils.moved`.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from ddpctx.utils.moved import serve_old_paths
 
 if TYPE_CHECKING:
     from ddpctx.checkpoint.weights import checkpoint_meta, load_weights
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     from ddpctx.watch.straggler import StragglerSettings
 
 __version__ = "0.1.0"
+
+serve_old_paths()
 
 _HOMES = {
     "checkpoint_meta": "ddpctx.checkpoint.weights",

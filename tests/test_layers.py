@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from ddpctx.utils.moved import OLD_PATHS as OLD_PATH_TABLE
+from ddpctx.utils.moved import moved_names
 from tests.helpers import REPO
 
 PACKAGE = REPO / "ddpctx"
@@ -19,7 +21,7 @@ PACKAGE = REPO / "ddpctx"
 #: Each subsystem (a subpackage of ddpctx) and the subsystems it may import.
 #: Pure helpers at the bottom; the session above the subsystems it composes;
 #: launching, testing and the command line on top. The package's own modules
-#: (``__init__``, ``compat``, the old-path shims) are the top and may import anything.
+#: (``__init__``, ``__main__``, ``compat``) are the top and may import anything.
 MAY_IMPORT: dict[str, set[str]] = {
     "utils": set(),
     "reduce": {"utils"},
@@ -58,6 +60,19 @@ def subsystem(module: str) -> str | None:
     """``ddpctx.reduce.wire`` -> ``reduce``; None for the package's own top modules."""
     parts = module.split(".")
     return parts[1] if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else None
+
+
+def test_the_package_shows_its_subsystems_and_few_flat_modules() -> None:
+    """``ls ddpctx/`` is the architecture: subpackages, and no module per old import path."""
+    flat = {path.name for path in PACKAGE.glob("*.py")}
+    extra = sorted(flat - FLAT_MODULES)
+    assert flat == FLAT_MODULES, f"flat modules beside the subpackages: {extra}"
+
+
+def test_every_old_path_is_served_by_the_table_and_no_file() -> None:
+    """An old path has no module file: the one table serves it (or its package replaced it)."""
+    for old in OLD_PATH_TABLE:
+        assert not (PACKAGE / f"{old}.py").exists(), f"ddpctx/{old}.py: serve it from the table"
 
 
 def test_every_subpackage_is_a_known_subsystem() -> None:
@@ -121,15 +136,21 @@ def test_a_long_module_says_why_it_is_long() -> None:
 
 
 #: Every module path of the flat layout before the move into subpackages, each public name
-#: it had (defined there, or listed in its ``__all__``) and that name's home now; and the
-#: names later commits removed on purpose, with what replaced them. Generated from git by
-#: :func:`names_before_the_move` (``test_the_moved_names_are_those_git_has``).
-MOVED = json.loads((Path(__file__).parent / "moved_names.json").read_text())
+#: it had (defined there, or listed in its ``__all__``) and that name's home now, from the
+#: package's one table; and the names later commits removed on purpose, with what replaced
+#: them. Both checked against git by :func:`names_before_the_move`.
+MOVED = {
+    "moved": {f"ddpctx.{old}": moved_names(f"ddpctx.{old}") for old in OLD_PATH_TABLE},
+    **json.loads((Path(__file__).parent / "moved_names.json").read_text()),
+}
 #: The commit that moved the flat modules into subpackages.
 LAYOUT_MOVE = "62e5683"
 OLD_PATHS = [(old, name) for old, names in sorted(MOVED["moved"].items()) for name in names]
+#: The flat modules ``ls ddpctx/`` may show beside the subpackages: the package, ``python
+#: -m ddpctx``, and the Kronos-style helper names.
+FLAT_MODULES = {"__init__.py", "__main__.py", "compat.py"}
 
-#: Imports each old path as a fresh module (its module-level shim runs again), then each
+#: Imports each old path as a fresh module (made again from the table), then each
 #: of its names, and prints per name the warnings they raised, the imported object's
 #: module and whether it is the very object of its new home.
 IMPORT_EACH_OLD_PATH = """
@@ -263,3 +284,29 @@ def test_every_module_of_the_package_counts_as_ddpctx_own_frames() -> None:
         path = str(module.resolve())
         assert is_library_file(path), path
         assert path.startswith(worker._PACKAGE), path
+
+
+@pytest.mark.parametrize(
+    "statement", ["from ddpctx.wire import Wire", "from ddpctx.data import epochs"]
+)
+def test_a_from_import_of_an_old_name_warns_once_at_the_importing_line(statement: str) -> None:
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    {statement}\n"
+        "print([(str(w.message), w.filename, w.lineno) for w in caught])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    ((message, filename, line),) = eval(result.stdout)  # one warning, naming the user's line
+    assert (filename, line) == ("<string>", 4), message
+    assert "moved to ddpctx." in message
+
+
+def test_an_old_path_lists_its_names_and_refuses_unknown_ones() -> None:
+    import ddpctx.wire as old  # type: ignore[import-not-found]
+
+    assert old.__all__ == sorted(moved_names("ddpctx.wire"))
+    with pytest.raises(AttributeError, match=r"'ddpctx\.wire' has no attribute 'nope'"):
+        old.nope  # noqa: B018

@@ -27,21 +27,4 @@ from __future__ import annotations
 
 from ddpctx.utils.moved import moved_attributes
 
-__getattr__ = moved_attributes(
-    __name__,
-    {
-        "FORMAT": "ddpctx.checkpoint.files",
-        "RefusedCheckpoint": "ddpctx.checkpoint.files",
-        "atomic_save": "ddpctx.utils.atomic",
-        "bare": "ddpctx.checkpoint.files",
-        "check_world_size": "ddpctx.checkpoint.files",
-        "checkpoint_paths": "ddpctx.checkpoint.files",
-        "load_file": "ddpctx.checkpoint.files",
-        "newest_checkpoint": "ddpctx.checkpoint.files",
-        "next_checkpoint_path": "ddpctx.checkpoint.files",
-        "probe": "ddpctx.checkpoint.files",
-        "prune": "ddpctx.checkpoint.files",
-        "training_state": "ddpctx.checkpoint.files",
-        "unwrap_model": "ddpctx.parallel.wrapping",
-    },
-)
+__getattr__ = moved_attributes(__name__)

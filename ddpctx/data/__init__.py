@@ -22,12 +22,4 @@ from __future__ import annotations
 
 from ddpctx.utils.moved import moved_attributes
 
-__getattr__ = moved_attributes(
-    __name__,
-    {
-        "SeedWorkers": "ddpctx.data.dataloader",
-        "ShardSampler": "ddpctx.data.sampling",
-        "epochs": "ddpctx.data.dataloader",
-        "make_dataloader": "ddpctx.data.dataloader",
-    },
-)
+__getattr__ = moved_attributes(__name__)

@@ -17,16 +17,4 @@ from __future__ import annotations
 
 from ddpctx.utils.moved import moved_attributes
 
-__getattr__ = moved_attributes(
-    __name__,
-    {
-        "Outcome": "ddpctx.rankzero.outcome",
-        "Place": "ddpctx.utils.identity",
-        "RankZeroError": "ddpctx.rankzero.outcome",
-        "inside_rank_zero_work": "ddpctx.rankzero.outcome",
-        "on_rank_zero": "ddpctx.rankzero.outcome",
-        "running_alone": "ddpctx.rankzero.outcome",
-        "share": "ddpctx.rankzero.outcome",
-        "zero_first": "ddpctx.rankzero.outcome",
-    },
-)
+__getattr__ = moved_attributes(__name__)
