@@ -409,13 +409,18 @@ def test_logging_before_loading_a_checkpoint_says_the_earlier_trail_is_gone(
         ctx.save_checkpoint(tmp_path / "checkpoints", model=wrapped, step=2)
     with distributed(log_dir=tmp_path / "log") as ctx:
         wrapped = ctx.wrap(model)
-        ctx.log({"loss": 9.0})
-        with pytest.warns(RuntimeWarning, match=r"ctx.log was called before load_checkpoint"):
+        ctx.log({"loss": 9.0})  # starts a fresh trail: the earlier attempt's 0..2 go
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"ctx.log was called before load_checkpoint.*logged up to step 2 is gone.*"
+            r"This load cuts nothing",
+        ):
             meta = ctx.load_checkpoint(tmp_path / "checkpoints", model=wrapped)
         assert meta == {"step": 2}  # the trail's own entry is taken out
         ctx.log({"loss": 3.0})
-    lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [3]
+    lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    # this block's own step 0 stays (a load after ctx.log never cuts), step 3 follows
+    assert [(x["step"], x["loss"]) for x in lines] == [(0, 9.0), (3, 3.0)]
 
 
 def test_a_resumed_block_continues_the_steps_and_keeps_the_checkpointed_ones(

@@ -7,7 +7,9 @@ builds the block's :class:`~ddpctx.watch.faces.Watch` once the group exists,
 wires it into the context (``ctx.log``, the loaders' step clock, the
 checkpoint hooks that record and resume the metrics trail) and registers its
 stop, which runs before the hang doctor's trackers come off and the group
-is destroyed.
+is destroyed. Before that, with a built-in file logger, rank 0 checks that it
+can write ``log_dir`` (:func:`~ddpctx.watch.loggers.check_log_dir`) and every
+rank raises the same ``ValueError`` when it cannot (one object gather).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 
 from ddpctx.hang.inflight import Tracker
+from ddpctx.reduce.objects import all_gather_objects
 from ddpctx.session.distcontext import DistContext
 from ddpctx.utils.env import LaunchInfo
 from ddpctx.watch.faces import Watch
-from ddpctx.watch.loggers import make_loggers
+from ddpctx.watch.files import FileLogger
+from ddpctx.watch.loggers import check_log_dir, make_loggers
 from ddpctx.watch.profiling import ENV as PROFILE_ENV
 from ddpctx.watch.profiling import parse_profile_env
 from ddpctx.watch.straggler import StragglerSettings, resolve_straggler
@@ -90,6 +94,14 @@ def start_watching(
     stack: contextlib2.ExitStack,
 ) -> Watch:
     """Start the block's watching and wire it into ``context``; ``stack`` stops it."""
+    if watching.log_dir is not None and any(
+        isinstance(logger, FileLogger) for logger in watching.loggers
+    ):
+        problem = check_log_dir(watching.log_dir) if info.rank == 0 else None
+        if info.world_size > 1:
+            problem = all_gather_objects(problem)[0]
+        if problem is not None:
+            raise ValueError(problem)
     watch = Watch(
         info.rank,
         info.world_size,

@@ -21,7 +21,7 @@ from ddpctx.reduce.collectives import Site, all_reduce_tree, check_op
 from ddpctx.reduce.objects import all_gather_objects
 from ddpctx.reduce.packing import OpSpec
 from ddpctx.watch.clock import PhaseTimes, StepClock
-from ddpctx.watch.loggers import check_scalars
+from ddpctx.watch.metrics import check_scalars
 from ddpctx.watch.profiling import Profiling, parse_profile_env
 from ddpctx.watch.straggler import StragglerSettings
 from ddpctx.watch.trail import Trail
@@ -30,6 +30,8 @@ from ddpctx.watch.watcher import Watcher
 #: The leaf that says whether any rank has measured a step (the max of the counts), dropped
 #: from what ``ctx.log`` returns.
 MEASURED = "ddpctx_measured_steps"
+#: The leaf that checks that every rank logs the same step (dropped from what ``ctx.log`` returns).
+STEP_KEY = "ddpctx_step"
 
 
 def with_timings(
@@ -52,6 +54,44 @@ def with_timings(
     ops.update(timings="mean", **{MEASURED: "max"})
     timed = {**metrics, "timings": {**mine.as_metrics(), MEASURED: float(mine.steps)}}
     return timed, ops
+
+
+def with_step(metrics: Mapping[str, Any], op: OpSpec, step: int) -> tuple[dict[str, Any], OpSpec]:
+    """``metrics`` with two leaves that tell, after the reduction, whether every rank had ``step``.
+
+    They ride the wire the metrics use (no collective of their own where the
+    op is "mean"/"sum", "max" or "min"): summed, ``step`` and ``step**2`` (all
+    equal exactly when ``n * sum(s**2) == sum(s)**2``); under "max" or "min",
+    ``step`` and ``-step`` (all equal exactly when the two agree). See
+    :func:`steps_agree`.
+
+    >>> with_step({"loss": 1.0}, "mean", 3)
+    ({'loss': 1.0, 'ddpctx_step': {'s': 3, 's2': 9}}, {'loss': 'mean', 'ddpctx_step': 'sum'})
+    """
+    if STEP_KEY in metrics:
+        raise ValueError(
+            f"ctx.log got a metric named {STEP_KEY!r}, which ddpctx uses to check the step "
+            "across ranks. Name the metric otherwise."
+        )
+    kind = op if isinstance(op, str) and op in ("max", "min") else "sum"
+    leaves: dict[str, Any] = (
+        {"s": step, "s2": step * step} if kind == "sum" else {"s": float(step), "s2": -float(step)}
+    )
+    ops = dict(op) if isinstance(op, Mapping) else {key: op for key in metrics}
+    ops[STEP_KEY] = kind
+    return {**metrics, STEP_KEY: leaves}, ops
+
+
+def steps_agree(leaves: Mapping[str, Any], world_size: int) -> bool:
+    """Whether the reduced leaves of :func:`with_step` say every rank logged one step.
+
+    >>> steps_agree({"s": 6, "s2": 18}, 2), steps_agree({"s": 5, "s2": 13}, 2)
+    (True, False)
+    """
+    first, second = leaves["s"], leaves["s2"]
+    if isinstance(first, float):  # "max"/"min": max(s) == -max(-s) only when all are equal
+        return bool(first == -second)
+    return bool(world_size * second == first * first)
 
 
 class Watch:
@@ -158,10 +198,22 @@ class WatchFaces:
         check_scalars(metrics)
         if timings:
             metrics, op = with_timings(metrics, op, self._own_timings())
+        checked = trail is not None and number is not None and self.world_size > 1
+        if checked:
+            metrics, op = with_step(metrics, op, number)  # type: ignore[arg-type]
         caller = sys._getframe(1)
         key = f"log:{caller.f_code.co_filename}:{caller.f_lineno}"
         site = self._sites.setdefault(key, Site(f"ctx.log at {key[4:]}"))
         reduced: dict[str, Any] = all_reduce_tree(dict(metrics), op, weight, site=site)
+        if checked and not steps_agree(reduced.pop(STEP_KEY), self.world_size):
+            everyone = all_gather_objects(number)  # every rank saw the disagreement
+            raise ValueError(
+                "ctx.log was called with a different step on different ranks ("
+                + ", ".join(f"rank {rank}: step {s}" for rank, s in enumerate(everyone))
+                + "), so no rank wrote it. The trail has one line per step: pass the same "
+                "step= on every rank (e.g. a counter every rank keeps alike), or leave step= "
+                "out to take the one after the last step logged."
+            )
         if timings and not reduced["timings"].pop(MEASURED):
             del reduced["timings"]  # no rank has measured a step yet: nothing to say
         if trail is not None and number is not None:

@@ -1,47 +1,58 @@
-"""The metrics trail: ``ctx.log``'s steps on every rank, and rank 0's writer thread.
+"""The metrics trail: ``ctx.log``'s steps on every rank, and rank 0's writer.
 
 Every rank keeps the number of the last step logged (``ctx.log(step=None)``
 takes the next one), so that a checkpoint records it on every rank and a
 resume continues from it. Rank 0 alone writes: the training thread puts
-``(step, values)`` on a queue and returns; a daemon thread turns the values
-into floats (on CUDA that wait happens there, not in training) and calls the
-loggers (:mod:`ddpctx.watch.loggers`), one call at a time.
+``(step, values)`` on a queue and returns; a dispatcher thread turns the
+values into numbers (on CUDA that wait happens there, not in training) and
+hands them to each logger's own thread (:mod:`ddpctx.watch.lanes`).
 
-Exactly once, across a kill and a resume:
+Exactly once, across a kill and a resume, whatever the order of ``ctx.log``
+and ``save_checkpoint`` within a step:
 
-- A checkpoint first *flushes* the trail (the queue drained, every logger's
-  ``flush()``), then records the last step logged. What a checkpoint covers
-  is durable before the checkpoint exists.
-- Loading a checkpoint tells every logger ``resume(step)`` before anything
-  else is written: the points of the killed attempt after that step go. A run
-  that logs before (or without) loading one starts a fresh trail
-  (``resume(None)``).
+- A checkpoint first *flushes* the trail (every logger has written and
+  ``flush()``-ed what was logged), then records the last step logged. What a
+  checkpoint covers is durable before the checkpoint exists.
+- A ``load_checkpoint`` before this block's first ``ctx.log`` is a *resume*:
+  before anything else is written, every logger is told ``resume(step)``.
+  When the block's first point comes after the checkpoint's step ``N``, the
+  points after ``N`` go (the killed attempt's); when it is at ``N`` itself,
+  the block redoes step ``N`` (nanoGPT's "evaluate, checkpoint, train" at one
+  step), so the points at ``N`` go too (``resume(N - 1)``). A resume with no
+  point before the block ends cuts after ``N``.
+- A ``load_checkpoint`` after this block's first ``ctx.log`` (the best
+  checkpoint, loaded to evaluate) never cuts: what this attempt wrote stays,
+  and the steps go on from the larger of the two.
+- A block that logs without such a load starts a fresh trail
+  (``resume(None)``); a block that neither logs, loads nor records a config
+  leaves the files as they are.
 - The run's configuration (``ctx.log_config``) is written when the trail
-  starts fresh, never again by a resumed run.
+  starts fresh, whichever comes first, never by a resumed run.
 
-A logger that raises is dropped with a warning naming it and the error;
-training goes on, and the other loggers keep writing.
+The writer never drops a point silently: the end of the block waits for
+every logger while it makes progress, and one that is stuck is left behind
+with a warning that says how many points it did not get.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import warnings
-from collections.abc import Callable
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddpctx.utils.warn import warn_user
-from ddpctx.watch.loggers import flat_metrics
+from ddpctx.watch import lanes
+from ddpctx.watch.lanes import Lane
+from ddpctx.watch.metrics import flat_metrics, step_number
 
 #: The checkpoint meta key under which the last logged step travels (popped at load).
 META_KEY = "ddpctx_log_step"
 #: Points queued before ``ctx.log`` waits for the writer (memory stays bounded).
 QUEUE_LIMIT = 10_000
-#: How long a checkpoint waits for the trail to flush before it warns and goes on.
-FLUSH_WAIT_S = 120.0
 
-_Command = tuple[str, Any, Any]
+_Command = tuple[str, Any]
 
 
 class Trail:
@@ -51,36 +62,39 @@ class Trail:
         #: The last step logged (-1: none yet).
         self.last_step = -1
         self.logged = False  # ctx.log was called in this block
-        self._config: dict[str, Any] | None = None
         self._writer = _Writer(loggers) if writer and loggers else None
 
-    def next_step(self, step: int | None) -> int:
+    def next_step(self, step: object) -> int:
         """The step of this ``ctx.log`` call: ``step``, or one after the last one."""
         if step is None:
             return self.last_step + 1
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        try:
+            number = step_number(step)
+        except TypeError:
+            number = -1
+        if number < 0:
             raise ValueError(
-                f"ctx.log(step={step!r}): a step is a whole number from 0 on (or None for "
-                "the one after the last step logged)."
+                f"ctx.log(step={step!r}): a step is a whole number from 0 on (an int, or a "
+                "NumPy or torch integer), or None for the one after the last step logged."
             )
-        if step < self.last_step:
+        if number < self.last_step:
             raise ValueError(
-                f"ctx.log(step={step}) is below the last step logged ({self.last_step}): the "
+                f"ctx.log(step={number}) is below the last step logged ({self.last_step}): the "
                 "metrics trail only goes forward, so that every step appears once in every "
                 "logger (a resumed run continues from its checkpoint's step). Pass a step "
                 f">= {self.last_step} (the same step adds metrics to it), or leave step= out."
             )
-        return step
+        return number
 
     def record(self, step: int, values: Any) -> None:
         self.logged = True
         self.last_step = step
         if self._writer is not None:
-            self._writer.put(("metrics", step, values))
+            self._writer.put(("metrics", (step, values)))
 
     def config(self, params: dict[str, Any]) -> None:
         if self._writer is not None:
-            self._writer.put(("hparams", params, None))
+            self._writer.put(("hparams", params))
 
     def flush(self) -> None:
         """Wait until everything logged so far is written and flushed (rank 0)."""
@@ -95,31 +109,50 @@ class Trail:
     def restored(self, meta: dict[str, Any] | None) -> None:
         """A checkpoint was loaded (``meta`` its meta, or None: none): resume the trail there."""
         saved = None if meta is None else meta.pop(META_KEY, None)
-        step = saved if isinstance(saved, int) and saved >= 0 else None
-        if self.logged and step is not None and self._writer is not None:
-            warn_user(
-                f"ctx.log was called before load_checkpoint: the metrics trail started afresh, "
-                f"so what an earlier attempt logged up to step {step} is gone from the files. "
-                "Call load_checkpoint before the first ctx.log to keep it.",
-                RuntimeWarning,
-            )
-        self.last_step = -1 if step is None else step
+        step = saved if isinstance(saved, int) and saved >= -1 else None
+        if step is None:
+            return  # nothing loaded (or no trail in it): the trail goes on as it was
+        if self.logged:  # later in the attempt: never cut what this attempt wrote
+            if step > self.last_step and self._writer is not None:
+                warn_user(
+                    "ctx.log was called before load_checkpoint in this block, so its first call "
+                    "started a fresh metrics trail: what an earlier attempt logged up to step "
+                    f"{step} is gone from the files. This load cuts nothing (the points this "
+                    f"block logged stay); ctx.log goes on after step {step}. Call "
+                    "load_checkpoint before the first ctx.log to keep an earlier attempt's "
+                    "points.",
+                    RuntimeWarning,
+                )
+            self.last_step = max(self.last_step, step)
+            return
+        self.last_step = step
         if self._writer is not None:
-            self._writer.put(("resume", step, None))
+            self._writer.put(("resume", step))
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
 
 
+@dataclass
+class _Flush:
+    """A checkpoint's flush: set once the dispatcher handed a marker to every lane."""
+
+    dispatched: threading.Event = field(default_factory=threading.Event)
+    markers: list[tuple[Lane, threading.Event]] = field(default_factory=list)
+
+
 class _Writer:
-    """Rank 0's daemon thread that calls the loggers."""
+    """Rank 0's dispatcher thread and one lane per logger."""
 
     def __init__(self, loggers: list[Any]) -> None:
-        self.loggers = list(loggers)
+        self.lanes = [Lane(logger) for logger in loggers]
         self._queue: queue.Queue[_Command] = queue.Queue(QUEUE_LIMIT)
-        self._started = False  # every logger was told resume(...)
+        self._mode: str | None = None  # "fresh" or "resumed" once the loggers were told
+        self._resume_at: int | None = None  # a resume's step, until the first point
         self._held_config: dict[str, Any] | None = None
+        self._busy_since: float | None = None
+        self._warned = False
         self._thread = threading.Thread(target=self._run, name="ddpctx-log-writer", daemon=True)
         self._thread.start()
 
@@ -127,69 +160,107 @@ class _Writer:
         self._queue.put(command)
 
     def flush(self) -> None:
-        done = threading.Event()
-        self._queue.put(("flush", done, None))
-        if not done.wait(FLUSH_WAIT_S):
-            warnings.warn(
-                f"ddpctx's metrics writer did not flush within {FLUSH_WAIT_S:.0f} s (a logger "
-                f"is stuck: {self.loggers!r}); the checkpoint goes on without waiting for it.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        marker = _Flush()
+        self.put(("flush", marker))
+        if not self._wait(marker.dispatched.wait, "the checkpoint"):
+            return
+        for lane, done in marker.markers:
+            lane.wait(done, "the checkpoint")
 
     def close(self) -> None:
-        self._queue.put(("close", None, None))
-        self._thread.join(timeout=FLUSH_WAIT_S)
+        self.put(("close", None))
+        if not self._wait(self._ended, "the end of the block"):
+            return
+        for lane in self.lanes:
+            lane.join("the end of the block")
+
+    def _ended(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _wait(self, until: Any, what: str) -> bool:
+        """Wait on ``until(timeout)`` while the dispatcher progresses (False: it is stuck)."""
+        while not until(0.05):
+            if not self._thread.is_alive():
+                return True
+            since = self._busy_since
+            if since is not None and time.monotonic() - since >= lanes.STUCK_S:
+                if not self._warned:
+                    self._warned = True
+                    warn_user(
+                        f"ddpctx's metrics writer has been turning one ctx.log call into numbers "
+                        f"for {time.monotonic() - since:.0f} s (a device that never finishes?); "
+                        f"{what} goes on without waiting for it.",
+                        RuntimeWarning,
+                    )
+                return False
+        return True
 
     def _run(self) -> None:
         while True:
-            kind, first, second = self._queue.get()
-            if kind == "metrics":
+            kind, payload = self._queue.get()
+            self._busy_since = time.monotonic()
+            try:
+                if self._handle(kind, payload):
+                    return
+            finally:
+                self._busy_since = None
+
+    def _handle(self, kind: str, payload: Any) -> bool:
+        """Carry out one command; True at the end."""
+        if kind == "metrics":
+            step, values = payload
+            try:
+                flat = flat_metrics(values)
+            except ValueError as error:
+                warn_user(f"ddpctx did not write step {step}: {error}", RuntimeWarning)
+                return False
+            self._start(step)
+            for lane in self.lanes:
+                lane.put("metrics", (step, flat))
+        elif kind == "hparams":
+            if self._mode is None:
+                self._held_config = payload
+            elif self._mode == "fresh":
+                self._each("log_hparams", payload)
+            # a resumed trail never records the configuration again
+        elif kind == "resume":
+            if self._mode is None:
+                self._resume_at = payload
+        elif kind == "flush":
+            for lane in self.lanes:
+                done = threading.Event()
+                lane.put("flush", done)
+                payload.markers.append((lane, done))
+            payload.dispatched.set()
+        elif kind == "close":
+            if self._mode is None and (
+                self._resume_at is not None or self._held_config is not None
+            ):
                 self._start(None)
-                self._each("log_metrics", flat_metrics(second), first)
-            elif kind == "hparams":
-                self._held_config = first
-                if self._started:
-                    self._write_config()
-            elif kind == "resume":
-                self._held_config = None if first is not None else self._held_config
-                self._started = False
-                self._start(first)
-            elif kind == "flush":
-                self._each("flush")
-                first.set()
-            elif kind == "close":
-                self._start(None)
-                self._each("flush")
-                self._each("close")
-                return
+            for lane in self.lanes:
+                lane.put("close")
+            return True
+        return False
 
     def _start(self, step: int | None) -> None:
-        if self._started:
+        """Tell every logger how the trail starts, before its first point (``step``)."""
+        if self._mode is not None:
             return
-        self._started = True
-        self._each("resume", step)
-        if step is None:
-            self._write_config()
-
-    def _write_config(self) -> None:
+        resumed = self._resume_at
+        if resumed is not None:
+            self._mode = "resumed"
+            self._held_config = None
+            # A first point at the checkpoint's own step redoes that step: its points go too.
+            cut = resumed if step is None or step > resumed else step - 1
+            self._each("resume", cut)
+            return
+        self._mode = "fresh"
+        self._each("resume", None)
         if self._held_config is not None:
             self._each("log_hparams", self._held_config)
             self._held_config = None
 
-    def _each(self, method: str, *args: Any) -> None:
-        for logger in list(self.loggers):
-            call: Callable[..., Any] | None = getattr(logger, method, None)
-            if call is None:
-                continue
-            try:
-                call(*args)
-            except Exception as error:
-                self.loggers.remove(logger)
-                warnings.warn(
-                    f"ddpctx dropped the logger {logger!r}: its {method}() raised {error!r}. "
-                    "The other loggers go on; fix the logger (or remove it from loggers=) "
-                    "to keep its trail.",
-                    RuntimeWarning,
-                    stacklevel=1,
-                )
+    def _each(self, method: str, argument: Any) -> None:
+        for lane in self.lanes:
+            lane.put(method, (argument,))

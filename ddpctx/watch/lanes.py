@@ -1,0 +1,179 @@
+"""One thread per logger on rank 0: a logger that hangs or fails holds up no other, nor training.
+
+A :class:`Lane` owns one logger and calls it from its own daemon thread, one
+call at a time, in the order the commands came. Contract:
+
+- Points arrive in batches: a built-in logger
+  (:class:`~ddpctx.watch.files.FileLogger`) gets the whole batch at once
+  (one write; the lines are in the file when it returns), a user's logger one
+  ``log_metrics`` per point. While idle the lane ``tick()``s a built-in
+  logger every :data:`TICK_S`, so rows held back for a csv header rewrite are
+  written within about a second.
+- A logger that raises is dropped with a warning naming it (its path, for a
+  built-in) and the error; the lane keeps draining so that nobody waits on it.
+- A lane whose logger has been inside one call for :data:`STUCK_S` or more is
+  *stuck*: a checkpoint's flush and the end of the block stop waiting for it
+  (warning once, naming that logger only), and points for it beyond
+  :data:`QUEUE_LIMIT` are counted, not queued (nor are markers that would
+  follow them), so training never waits on it.
+  A stuck logger that returns carries on with what is queued.
+- :meth:`Lane.wait` waits for a marker as long as the lane makes progress:
+  a slow logger is waited for, never cut off while it is still writing.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ddpctx.utils.warn import warn_user
+from ddpctx.watch.files import FileLogger, Point
+
+#: A logger inside one call this long is stuck: nobody waits for it any more.
+STUCK_S = 10.0
+#: Points queued for one logger before the dispatcher waits (or, for a stuck one, counts them).
+QUEUE_LIMIT = 10_000
+#: How often an idle lane lets a built-in logger write what it held back.
+TICK_S = 0.2
+
+_Command = tuple[str, Any]
+
+
+class Lane:
+    """One logger, its queue and its thread (see the module docstring)."""
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+        self.dropped = False  # the logger raised: no more calls
+        self.warned_stuck = False
+        self.received = 0  # points handed to put()
+        self.written = 0  # points the logger returned from
+        self.lost = 0  # points never queued because the logger was stuck
+        self._queue: queue.Queue[_Command] = queue.Queue(QUEUE_LIMIT)
+        self._busy_since: float | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"ddpctx-log-{type(logger).__name__}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def stuck(self) -> bool:
+        since = self._busy_since
+        return since is not None and time.monotonic() - since >= STUCK_S
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def put(self, kind: str, payload: Any = None) -> None:
+        """Queue a command; waits while the queue is full unless the logger is stuck."""
+        if kind == "metrics":
+            self.received += 1
+        while True:
+            try:
+                self._queue.put((kind, payload), timeout=0.1)
+                return
+            except queue.Full:
+                if self.stuck:  # nobody waits on it: a marker it would not reach is moot
+                    self.lost += kind == "metrics"
+                    return
+
+    def wait(self, done: threading.Event, what: str) -> bool:
+        """Wait for ``done`` while this lane progresses; False (warned once) when it is stuck."""
+        while not done.wait(0.05):
+            if not self._thread.is_alive():
+                return done.is_set()
+            if self.stuck:
+                self.say_stuck(what)
+                return False
+        return True
+
+    def join(self, what: str) -> None:
+        """Wait for the thread to end after ``close`` while it progresses; warn if abandoned."""
+        while self._thread.is_alive():
+            self._thread.join(0.05)
+            if self._thread.is_alive() and self.stuck:
+                self.say_stuck(what)
+                missing = self.received - self.written
+                warn_user(
+                    f"ddpctx left the logger {self.logger!r} behind at the end of the block: "
+                    f"{missing} of its {self.received} points were never written by it (it "
+                    "was stuck in one call). The other loggers have all of them; fix that "
+                    "logger (or remove it from loggers=) to keep its trail.",
+                    RuntimeWarning,
+                )
+                return
+
+    def say_stuck(self, what: str) -> None:
+        if self.warned_stuck:
+            return
+        self.warned_stuck = True
+        since = self._busy_since or time.monotonic()
+        warn_user(
+            f"ddpctx's logger {self.logger!r} has been inside one call for "
+            f"{time.monotonic() - since:.0f} s (stuck); {what} goes on without waiting for it. "
+            "The other loggers keep writing; this one gets what it missed if it returns. "
+            "Fix that logger, or remove it from loggers=.",
+            RuntimeWarning,
+        )
+
+    def _run(self) -> None:
+        while True:
+            try:
+                command = self._queue.get(timeout=TICK_S)
+            except queue.Empty:
+                self._call("tick")
+                continue
+            batch: list[Point] = []
+            while command[0] == "metrics":
+                batch.append(command[1])
+                try:
+                    command = self._queue.get_nowait()
+                except queue.Empty:
+                    command = ("", None)
+            if batch:
+                self._write(batch)
+            kind, payload = command
+            if kind == "flush":
+                self._call("flush")
+                payload.set()
+            elif kind == "close":
+                self._call("flush")
+                self._call("close")
+                return
+            elif kind:
+                self._call(kind, *payload)
+
+    def _write(self, batch: list[Point]) -> None:
+        if isinstance(self.logger, FileLogger):
+            self._call("write_points", batch)
+            self.written += len(batch)
+            return
+        for step, metrics in batch:
+            self._call("log_metrics", metrics, step)
+            self.written += 1
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self.dropped:
+            return
+        if method == "tick" and not isinstance(self.logger, FileLogger):
+            return
+        call: Callable[..., Any] | None = getattr(self.logger, method, None)
+        if call is None:
+            return
+        self._busy_since = time.monotonic()
+        try:
+            call(*args)
+        except Exception as error:
+            self.dropped = True
+            warn_user(
+                f"ddpctx dropped the logger {self.logger!r}: its {method}() raised {error!r}. "
+                "The other loggers go on; fix the logger (or remove it from loggers=) "
+                "to keep its trail.",
+                RuntimeWarning,
+            )
+        finally:
+            self._busy_since = None
