@@ -14,6 +14,10 @@ import csv
 import io
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -27,7 +31,7 @@ from torch import nn
 
 from ddpctx import distributed
 from ddpctx.watch import lanes
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, child_env, patience, run_python
 
 ORDERS = ("log-save-log", "save-log", "log-save")
 
@@ -376,16 +380,40 @@ def test_every_rank_refuses_a_log_dir_rank_zero_cannot_write(tmp_path: Path) -> 
         distributed(log_dir=blocker).__enter__()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+#: Refuses a read-only ``log_dir`` in a child: ``python -c REFUSE_READ_ONLY FOLDER``.
+REFUSE_READ_ONLY = """
+import sys
+from ddpctx import distributed
+try:
+    distributed(log_dir=sys.argv[1]).__enter__()
+except ValueError as error:
+    print("REFUSED:", error)
+"""
+
+
 def test_a_read_only_log_dir_is_refused_at_distributed_naming_it(tmp_path: Path) -> None:
+    """A read-only mount (as root, who writes into any folder, in a mount namespace of its own)."""
     folder = tmp_path / "ro"
     folder.mkdir()
-    folder.chmod(0o500)
+    child = [sys.executable, "-c", REFUSE_READ_ONLY, str(folder)]
+    if os.geteuid() == 0:
+        if shutil.which("unshare") is None:
+            pytest.skip("root needs util-linux's unshare for a read-only mount of its own")
+        remount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
+        command = ["unshare", "--mount", "sh", "-c", f'{remount} && exec "$@"', "sh", *child]
+    else:
+        folder.chmod(0o500)
+        command = child
     try:
-        with pytest.raises(ValueError, match=rf"log_dir='{folder}'.*not writable.*write access"):
-            distributed(log_dir=folder).__enter__()
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=patience(120), env=child_env()
+        )
     finally:
         folder.chmod(0o700)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(rf"REFUSED: .*log_dir='{folder}'.*not writable.*write access", done.stdout), (
+        done.stdout + done.stderr[-2000:]
+    )
 
 
 def test_a_full_disk_at_the_start_is_refused_naming_the_folder(tmp_path: Path) -> None:
