@@ -46,6 +46,11 @@ compute phase is what the GPU spent rather than what the host queued.
 The clock keeps the last ``window`` steps. Its cost is a few clock reads,
 one read of the schedstat file and a few additions per step.
 
+Why one module (past 400 lines): the clock is one state machine -- a step
+opened by a loader's request, a model's forward or an optimizer step, closed
+by the next -- and its hooks (:meth:`StepClock.install`,
+:meth:`StepClock.watch_model`) only forward events into that state.
+
 Example:
     >>> clock = StepClock(window=4)
     >>> for batch in clock.timed(iter([1, 2, 3])):

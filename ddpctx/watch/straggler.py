@@ -20,9 +20,21 @@ collectives; its victims show the same excess as collective wait. So:
    others back.
 3. Its phase is the one (data or compute) with the larger excess over the
    other ranks' median of that phase; the size is that excess, per step.
+4. When at least half of that excess is the rank's extra wait for a CPU (its
+   main thread was ready to run but another process had the CPU: the
+   run-queue delay the clock reads), the rank is *starved*: the machine is
+   oversubscribed, and the report says so rather than blame its work.
 
 Medians over a window of steps (50 by default) keep one-off stalls (a
-checkpoint, a 5-step hiccup, the OS scheduling another process) from firing.
+checkpoint, a 5-step hiccup) from firing. Over time (:class:`Judge`) a rank
+is reported only once it has been found for ``persist`` windows, and cleared
+only after a whole window back within half the threshold, so scheduling
+noise and a rank hovering at the threshold neither fire nor flap.
+
+What it cannot see: a rank whose gradient all-reduce *starts* late (a slow
+comm hook, a slow NIC) does its own work on time and then holds every rank in
+the same all-reduce, so every rank shows the same collective wait and no rank
+is named.
 
 Example:
     >>> from ddpctx.watch.clock import PhaseTimes
