@@ -123,6 +123,13 @@ def test_a_rank_that_waits_for_a_cpu_is_starved_not_slow() -> None:
     # the same excess without the wait for a CPU is the rank's own: slow in compute
     plain = [[times(0, s, 100, 22), times(1, s, 121, 1)] for s in range(50, 200, 5)]
     assert "rank 1 (h) is slow in compute" in judged(plain, config)[0]
+    # 31 ms more work, preempted for 16 ms of the wall-clock 31 (3 ranks on 2 busy cores):
+    # the work is still longer once the wait is taken out, so the rank is slow, not starved
+    busy_and_preempted = [
+        [times(0, s, 1, 32, starved_ms=0.5), times(1, s, 32, 1, starved_ms=16)]
+        for s in range(50, 200, 5)
+    ]
+    assert "rank 1 (h) is slow in compute" in judged(busy_and_preempted, config)[0]
 
 
 def test_the_why_line_never_claims_a_wait_nobody_shows() -> None:

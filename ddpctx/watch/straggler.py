@@ -20,10 +20,11 @@ collectives; its victims show the same excess as collective wait. So:
    others back.
 3. Its phase is the one (data or compute) with the larger excess over the
    other ranks' median of that phase; the size is that excess, per step.
-4. When at least half of that excess is the rank's extra wait for a CPU (its
-   main thread was ready to run but another process had the CPU: the
-   run-queue delay the clock reads), the rank is *starved*: the machine is
-   oversubscribed, and the report says so rather than blame its work.
+4. When its excess, less its extra wait for a CPU (its main thread was ready
+   to run but another process had the CPU: the run-queue delay the clock
+   reads), would no longer name it, the rank is *starved*: the machine is
+   oversubscribed, and the report says so rather than blame its work. Work
+   that is longer *and* preempted is still slow.
 
 Medians over a window of steps (50 by default) keep one-off stalls (a
 checkpoint, a 5-step hiccup) from firing. Over time (:class:`Judge`) a rank
@@ -150,9 +151,10 @@ def resolve_straggler(value: object, environ: Mapping[str, str]) -> StragglerSet
 class Verdict:
     """The straggler: its rank, host, phase, excess in that phase (seconds per step), ratio.
 
-    ``starved``: how much longer than the other ranks' median it waited for a CPU per
-    step; when that explains at least half its excess, the cause is the machine (another
-    process holds the CPU), not the rank's work.
+    ``starved_s``: how much longer than the other ranks' median it waited for a CPU per
+    step. ``cause`` is ``"starved"`` when, less that wait, its excess no longer names
+    it: the machine (another process holding the CPU) made it late, not its work.
+    ``"slow"`` otherwise -- also for work that is longer *and* preempted.
     """
 
     rank: int
@@ -161,15 +163,7 @@ class Verdict:
     excess_s: float
     ratio: float  # its own time over the median rank's
     starved_s: float = 0.0
-
-    @property
-    def cause(self) -> str:
-        """``"starved"`` (waiting for a CPU) or ``"slow"`` (its own work)."""
-        return "starved" if self.starved_s >= STARVED_SHARE * self.excess_s > 0 else "slow"
-
-
-#: The share of a straggler's excess that its wait for a CPU must explain to call it starved.
-STARVED_SHARE = 0.5
+    cause: str = "slow"
 
 
 def find_straggler(ranks: Sequence[PhaseTimes], settings: StragglerSettings) -> Verdict | None:
@@ -192,7 +186,9 @@ def find_straggler(ranks: Sequence[PhaseTimes], settings: StragglerSettings) -> 
     )
     ratio = slowest.own / own_median if own_median > 0 else float("inf")
     starved = max(0.0, slowest.starved - statistics.median(r.starved for r in others))
-    return Verdict(slowest.rank, slowest.host, phase, size, ratio, starved)
+    bar = max(settings.threshold * own_median, settings.min_ms / 1000.0)
+    cause = "starved" if starved > 0 and excess - starved < bar else "slow"
+    return Verdict(slowest.rank, slowest.host, phase, size, ratio, starved, cause)
 
 
 def caught_up(rank: int, ranks: Sequence[PhaseTimes], settings: StragglerSettings) -> bool:
@@ -326,7 +322,7 @@ def format_starved(verdict: Verdict, ranks: Sequence[PhaseTimes], window: int) -
     >>> from ddpctx.watch.clock import PhaseTimes
     >>> ranks = [PhaseTimes(0, "h", 80, 0.0, 0.01, 0.02),
     ...          PhaseTimes(1, "h", 80, 0.0, 0.03, 0.0, 0.03, 0.02)]
-    >>> verdict = Verdict(1, "h", "compute", 0.02, 3.0, 0.02)
+    >>> verdict = Verdict(1, "h", "compute", 0.02, 3.0, 0.02, "starved")
     >>> print(format_report(verdict, ranks, 50).splitlines()[0][:78])
     ddpctx straggler report: rank 1 (h) is starved of CPU (the machine is oversubs
     """
