@@ -7,11 +7,12 @@ What a *step* is:
   next. Micro-batches of gradient accumulation (``ctx.no_sync``,
   ``ctx.accumulate``) are one step, so the step that all-reduces shows the
   wait for the others (the batches before the first optimizer step, when no
-  optimizer was seen yet, are steps of their own). The first step begins at the first batch asked of
-  ``ctx.dataloader`` or the first forward of a model from ``ctx.wrap`` /
-  ``ctx.shard``; a step still open when a ``ctx.dataloader`` pass ends
-  (evaluation, a pass cut short) is no step, and the next pass's first batch
-  request begins the next.
+  optimizer was seen yet, are steps of their own). The first step begins at
+  the first batch asked of ``ctx.dataloader`` or, in a loop that never uses
+  it, at the first forward of a model from ``ctx.wrap`` / ``ctx.shard``. A
+  step still open when a ``ctx.dataloader`` pass ends (evaluation, a pass
+  cut short) is no step, and the next pass's first batch request begins the
+  next: forwards between passes begin none.
 - Without one (an evaluation loop): the span from asking ``ctx.dataloader``'s
   iterator for a batch to asking it for the next (a pass's last step ends
   when the iterator is exhausted; the gap between two passes belongs to no
@@ -184,6 +185,8 @@ class StepClock:
         self.by_optimizer = False
         #: Forward, backward or optimizer steps were seen (whether or not a step was timed).
         self.worked = False
+        #: A ``ctx.dataloader`` pass began: its requests, not forwards, begin steps.
+        self.fed = False
         self._depth = 0  # nesting of work spans (an optimizer step inside a forward...)
         self._span: tuple[float, float] = (0.0, 0.0)  # the outermost span's (start, waited)
         self._main = threading.main_thread().ident
@@ -199,6 +202,7 @@ class StepClock:
         """``batches``, each hand-over timed as data wait (and, with no optimizer, a step)."""
         iterator = iter(batches)
         monotonic = time.monotonic
+        self.fed = True
         try:
             while True:
                 start = monotonic()
@@ -226,7 +230,7 @@ class StepClock:
         self._depth += 1
         if self._depth == 1:
             now = time.monotonic()
-            if self._open is None:
+            if self._open is None and not self.fed:  # a loop of its own batches
                 self._begin(now)
             self._span = (now, self._waited())
         self.worked = True
