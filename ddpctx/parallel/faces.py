@@ -46,6 +46,8 @@ class ModelFaces:
     _mesh: DeviceMesh | None
     #: Called after :meth:`shard` (the session's hang doctor hooks FSDP2, now loaded).
     _after_shard: Callable[[], None] | None = None
+    #: Called with every model :meth:`wrap` and :meth:`shard` return (the session's step clock).
+    _on_model: Callable[[nn.Module], None] | None = None
     _scaler: torch.amp.GradScaler | None
 
     def wrap(self, model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
@@ -77,6 +79,8 @@ class ModelFaces:
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         wrapped = DistributedDataParallel(model, **ddp_kwargs)
         self._precision.wrap_forward(wrapped)
+        if self._on_model is not None:
+            self._on_model(wrapped)
         return wrapped
 
     @property
@@ -171,7 +175,10 @@ class ModelFaces:
         if self._after_shard is not None:
             self._after_shard()
         refuse_flattening_optimizers()
-        return self._precision.wrap_forward(sharded)
+        result = self._precision.wrap_forward(sharded)
+        if self._on_model is not None:
+            self._on_model(result)
+        return result
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for the run's mixed precision (a no-op block otherwise).

@@ -350,7 +350,7 @@ def _make_plan(
         adopted=dist.is_initialized(),
         hang=hang_settings,
         precision=resolve_precision(precision, device),
-        watching=resolve_watching(*watch, environ),
+        watching=resolve_watching(*watch, environ, info.world_size),
     )
 
 

@@ -4,7 +4,7 @@
 ``straggler`` and ``DDPCTX_PROFILE`` with no side effect (part of the plan
 ``distributed()`` makes before it starts anything). :func:`start_watching`
 builds the block's :class:`~ddpctx.watch.faces.Watch` once the group exists,
-wires it into the context (``ctx.log``, the loaders' step clock, the
+wires it into the context (``ctx.log``, the loaders' and models' step clock, the
 checkpoint hooks that record and resume the metrics trail) and registers its
 stop, which runs before the hang doctor's trackers come off and the group
 is destroyed. Before that, with a built-in file logger, rank 0 checks that it
@@ -53,6 +53,7 @@ def resolve_watching(
     timings: object,
     straggler: object,
     environ: Mapping[str, str],
+    world_size: int | None = None,
 ) -> Watching:
     """The options checked; a bad one is a ``ValueError`` naming it and the fix.
 
@@ -80,7 +81,7 @@ def resolve_watching(
         chosen = loggers
     profile = environ.get(PROFILE_ENV) or None
     if profile is not None:
-        parse_profile_env(profile)
+        parse_profile_env(profile, world_size)
     settings = resolve_straggler(straggler, environ)
     return Watching(folder, make_loggers(chosen, folder), timings, settings, profile)
 
@@ -120,6 +121,7 @@ def start_watching(
     context._after_load = watch.trail.restored
     if watch.clock is not None:
         context._timed = watch.clock.timed
+        context._on_model = watch.watch_model  # a loop of its own batches is timed too
     return watch
 
 

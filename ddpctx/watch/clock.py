@@ -1,19 +1,42 @@
-"""Per-rank phase timings of every step, from what ddpctx already owns: no user code.
+"""Per-rank phase timings of every step, from what ddpctx already sees: no user code.
 
-A *step* is the span from asking ``ctx.dataloader``'s iterator for a batch to
-asking it for the next one (a pass's last step ends when the iterator is
-exhausted; the gap between two passes -- evaluation, a checkpoint, the epoch
-barrier -- belongs to no step). Each step is split into three phases:
+What a *step* is:
 
-- **data**: the time the iterator took to hand the batch over (the loader's
-  workers, the ``collate_fn``, the copy to the device);
+- With an optimizer (any ``torch.optim`` optimizer, seen through torch's global
+  step hooks): from the end of one ``optimizer.step()`` to the end of the
+  next. Micro-batches of gradient accumulation (``ctx.no_sync``,
+  ``ctx.accumulate``) are one step, so the step that all-reduces shows the
+  wait for the others (the batches before the first optimizer step, when no
+  optimizer was seen yet, are steps of their own). The first step begins at
+  the first batch asked of ``ctx.dataloader`` or, in a loop that never uses
+  it, at the first forward of a model from ``ctx.wrap`` / ``ctx.shard``. A
+  step still open when a ``ctx.dataloader`` pass ends (evaluation, a pass
+  cut short) is no step, and the next pass's first batch request begins the
+  next: forwards between passes begin none.
+- Without one (an evaluation loop): the span from asking ``ctx.dataloader``'s
+  iterator for a batch to asking it for the next (a pass's last step ends
+  when the iterator is exhausted; the gap between two passes belongs to no
+  step).
+
+Each step is split into three phases:
+
 - **collective**: time the main thread waited in collectives, read from the
   hang doctor's :class:`~ddpctx.hang.inflight.Tracker` (every
   ``torch.distributed`` collective, ddpctx's own, and DDP's gradient
   all-reduce inside ``backward()`` -- the part of the backward after this
   rank's last gradient was ready, which is the wait for the other ranks);
-- **compute**: the rest (forward, the backward up to the last gradient, the
-  optimizer step, the user's own Python).
+- **data**: with ``ctx.dataloader``, the time its iterator took to hand the
+  batches over (workers, ``collate_fn``, the copy to the device). In a loop
+  that reads its own batches (a memmap, a stream), the rest of the step:
+  whatever is not the forward of a ``ctx.wrap``/``ctx.shard`` model,
+  ``backward()``, ``optimizer.step()`` or a collective wait;
+- **compute**: with ``ctx.dataloader``, the rest; without, forward + backward
+  + optimizer step, less their collective waits.
+
+Each step also records the main thread's wait for a CPU (the run-queue delay
+of ``/proc/thread-self/schedstat``; 0 where the kernel does not say): a
+rank whose steps stretch because other processes hold the CPU is *starved*,
+not slow (:mod:`ddpctx.watch.straggler`).
 
 Durations only, from ``time.monotonic`` on each host, so clocks of different
 hosts never meet. On CUDA the host returns before the GPU has run the work:
@@ -21,8 +44,13 @@ hosts never meet. On CUDA the host returns before the GPU has run the work:
 GPU time when that event has completed (one step later, never a sync), so the
 compute phase is what the GPU spent rather than what the host queued.
 
-The clock keeps the last ``window`` steps. Its cost is two clock reads and a
-few additions per batch.
+The clock keeps the last ``window`` steps. Its cost is a few clock reads,
+one read of the schedstat file and a few additions per step.
+
+Why one module (past 400 lines): the clock is one state machine -- a step
+opened by a loader's request, a model's forward or an optimizer step, closed
+by the next -- and its hooks (:meth:`StepClock.install`,
+:meth:`StepClock.watch_model`) only forward events into that state.
 
 Example:
     >>> clock = StepClock(window=4)
@@ -34,6 +62,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import statistics
 import threading
 import time
@@ -42,6 +73,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+import torch
+from torch import nn
+
 from ddpctx.hang.inflight import Tracker
 
 T = TypeVar("T")
@@ -49,14 +83,21 @@ T = TypeVar("T")
 #: The phases of a step, in report order.
 PHASES = ("data", "compute", "collective")
 
+#: Where the kernel says how long this thread waited for a CPU (second field, nanoseconds).
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
 
 @dataclass(frozen=True)
 class StepTime:
-    """One step of one rank, in seconds: ``data + compute + collective == step``."""
+    """One step of one rank, in seconds: ``data + compute + collective == step``.
+
+    ``starved``: of the step, the time the main thread was ready to run but had no CPU.
+    """
 
     data: float
     compute: float
     collective: float
+    starved: float = 0.0
 
     @property
     def step(self) -> float:
@@ -80,6 +121,7 @@ class PhaseTimes:
     compute: float
     collective: float
     step: float = 0.0  # median whole step (not the sum of the phase medians)
+    starved: float = 0.0  # median wait for a CPU per step (0: none, or not measurable)
 
     @property
     def own(self) -> float:
@@ -100,6 +142,19 @@ class PhaseTimes:
         }
 
 
+@dataclass
+class _Open:
+    """The step being measured: when it began and what it has gathered so far."""
+
+    start: float
+    waited: float  # the tracker's wait total at the start
+    starved: float  # the run-queue delay at the start
+    loader: float = 0.0  # seconds ``ctx.dataloader`` took to hand batches over
+    fed: bool = False  # a ``ctx.dataloader`` batch was handed over in this step
+    work: float = 0.0  # seconds in forward, backward and optimizer step
+    work_wait: float = 0.0  # of which, collective wait
+
+
 class StepClock:
     """This rank's step timings (see the module docstring)."""
 
@@ -110,67 +165,207 @@ class StepClock:
         *,
         cuda: bool = False,
         event_factory: Callable[[], Any] | None = None,
+        schedstat: str | None = SCHEDSTAT,
     ) -> None:
         self.tracker = tracker
         self.window = window
         self.count = 0  # steps closed since the block began
         self._steps: deque[StepTime] = deque(maxlen=max(window, 1))
         self._lock = threading.Lock()  # the publishing thread reads while the main thread writes
-        self._open: tuple[float, float, float] | None = None  # (start, data seconds, waited)
+        self._open: _Open | None = None
         self._cuda = cuda
         #: Makes the events that close steps on CUDA (default: ``torch.cuda.Event``).
         self.event_factory = event_factory
-        self._gpu: deque[tuple[Any, Any, float, float, float]] = deque()
+        self._gpu: deque[tuple[Any, Any, float, float, float, float]] = deque()
         self._last_event: Any = None  # the CUDA event that closed the previous step
         self.opened = 0  # steps begun since the block began
         #: Called with a step's number (from 0) as it begins: ``ctx.profile`` starts and stops.
         self.listeners: list[Callable[[int], None]] = []
+        #: True once an optimizer step was seen: steps end at optimizer steps from then on.
+        self.by_optimizer = False
+        #: Forward, backward or optimizer steps were seen (whether or not a step was timed).
+        self.worked = False
+        #: A ``ctx.dataloader`` pass began: its requests, not forwards, begin steps.
+        self.fed = False
+        self._depth = 0  # nesting of work spans (an optimizer step inside a forward...)
+        self._span: tuple[float, float] = (0.0, 0.0)  # the outermost span's (start, waited)
+        self._main = threading.main_thread().ident
+        self._schedstat: int | None = None
+        if schedstat is not None and threading.get_ident() == self._main:
+            with contextlib.suppress(OSError):
+                self._schedstat = os.open(schedstat, os.O_RDONLY)
+        self._undo: list[Callable[[], None]] = []
+
+    # -- what the clock is told ------------------------------------------------------------
 
     def timed(self, batches: Iterable[T]) -> Iterator[T]:
-        """``batches``, each hand-over timed as data wait and each gap as one step."""
+        """``batches``, each hand-over timed as data wait (and, with no optimizer, a step)."""
         iterator = iter(batches)
         monotonic = time.monotonic
+        self.fed = True
         try:
             while True:
                 start = monotonic()
+                if not self.by_optimizer:
+                    self._close(start)  # asking for the next batch ends the step
                 try:
                     batch = next(iterator)
                 except StopIteration:
-                    self._close(start)
                     return
-                self._close(start)
-                self._open = (start, monotonic() - start, self._waited())
-                for listener in self.listeners:
-                    listener(self.opened)
-                self.opened += 1
+                if not self.by_optimizer or self._open is None:
+                    self._begin(start)
+                opened = self._open
+                if opened is not None:
+                    opened.loader += monotonic() - start
+                    opened.fed = True
                 yield batch
         finally:
-            self._open = None  # a pass left early (break): its open step is not a step
+            self._open = None  # a pass ended or left early: its open step is not a step
             self._last_event = None  # nor is the gap to the next pass
+
+    def enter(self) -> None:
+        """A forward, backward or optimizer step begins (main thread only)."""
+        if threading.get_ident() != self._main:
+            return
+        self._depth += 1
+        if self._depth == 1:
+            now = time.monotonic()
+            if self._open is None and not self.fed:  # a loop of its own batches
+                self._begin(now)
+            self._span = (now, self._waited())
+        self.worked = True
+
+    def leave(self) -> None:
+        """The span :meth:`enter` began ends."""
+        if threading.get_ident() != self._main or self._depth == 0:
+            return
+        self._depth -= 1
+        opened = self._open
+        if self._depth == 0 and opened is not None:
+            start, waited = self._span
+            opened.work += time.monotonic() - start
+            opened.work_wait += self._waited() - waited
+
+    def optimizer_stepped(self) -> None:
+        """An ``optimizer.step()`` ended: the step ends here and the next begins."""
+        if threading.get_ident() != self._main:
+            return
+        now = time.monotonic()
+        self.by_optimizer = True
+        self._close(now)
+        self._begin(now)
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def install(self) -> Callable[[], None]:
+        """Watch every optimizer step and ``torch.autograd.backward``; returns the undo."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        def pre(*_: Any) -> None:
+            self.enter()
+
+        def post(*_: Any) -> None:
+            self.leave()
+            self.optimizer_stepped()
+
+        handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        original = torch.autograd.backward
+
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            self.enter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.leave()
+
+        torch.autograd.backward = backward
+
+        def undo() -> None:
+            for handle in handles:
+                handle.remove()
+            if torch.autograd.backward is backward:
+                torch.autograd.backward = original
+            if self._schedstat is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._schedstat)
+                self._schedstat = None
+
+        return undo
+
+    def watch_model(self, model: object) -> None:
+        """Time ``model``'s forward (a model from ``ctx.wrap`` or ``ctx.shard``)."""
+        if not isinstance(model, nn.Module):
+            return
+
+        def pre(*_: Any) -> None:
+            self.enter()
+
+        def post(*_: Any) -> None:
+            self.leave()
+
+        handles = [
+            model.register_forward_pre_hook(pre),
+            model.register_forward_hook(post, always_call=True),
+        ]
+        self._undo.extend(handle.remove for handle in handles)
+
+    def close(self) -> None:
+        """Take the hooks off the models :meth:`watch_model` was given."""
+        undo, self._undo = self._undo, []
+        for remove in undo:
+            remove()
+
+    # -- measuring -------------------------------------------------------------------------
 
     def _waited(self) -> float:
         tracker = self.tracker
         return tracker.wait_total if tracker is not None else 0.0
 
+    def _run_delay(self) -> float:
+        """Seconds this (the main) thread has waited for a CPU so far; 0 where unknown."""
+        fd = self._schedstat
+        if fd is None:
+            return 0.0
+        try:
+            return int(os.pread(fd, 64, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    def _begin(self, now: float) -> None:
+        self._open = _Open(now, self._waited(), self._run_delay())
+        for listener in self.listeners:
+            listener(self.opened)
+        self.opened += 1
+
     def _close(self, now: float) -> None:
         opened = self._open
         if opened is None:
             return
-        start, data, waited = opened
         self._open = None
-        collective = max(0.0, self._waited() - waited)
-        host = max(0.0, now - start - data - collective)
+        collective = max(0.0, self._waited() - opened.waited)
+        starved = max(0.0, self._run_delay() - opened.starved)
+        total = now - opened.start
+        if opened.fed or not opened.work:
+            data = opened.loader
+            host = max(0.0, total - data - collective)
+        else:  # a loop that reads its own batches: data is the rest of the step
+            host = max(0.0, opened.work - opened.work_wait)
+            data = max(0.0, total - collective - host)
         if self._cuda:
-            self._close_on_gpu(start, data, collective, host)
+            self._close_on_gpu(data, collective, host, starved)
             return
-        self._add(StepTime(data, host, collective))
+        self._add(StepTime(data, host, collective, starved))
 
     def _add(self, step: StepTime) -> None:
         with self._lock:
             self._steps.append(step)
             self.count += 1
 
-    def _close_on_gpu(self, start: float, data: float, collective: float, host: float) -> None:
+    def _close_on_gpu(self, data: float, collective: float, host: float, starved: float) -> None:
         """Compute = the GPU's time between this step's events, read once they completed.
 
         ``elapsed_time`` between the events closing two steps is the step on the GPU's
@@ -179,26 +374,24 @@ class StepClock:
         """
         end = self._new_event()
         if end is None:
-            self._add(StepTime(data, host, collective))
+            self._add(StepTime(data, host, collective, starved))
             return
         end.record()
         previous, self._last_event = self._last_event, end
-        self._gpu.append((previous, end, data, collective, host))
+        self._gpu.append((previous, end, data, collective, host, starved))
         while self._gpu and self._gpu[0][1].query():
-            begin, finish, data_s, collective_s, host_s = self._gpu.popleft()
+            begin, finish, data_s, collective_s, host_s, starved_s = self._gpu.popleft()
             if begin is None:
-                self._add(StepTime(data_s, host_s, collective_s))
+                self._add(StepTime(data_s, host_s, collective_s, starved_s))
                 continue
             gpu_s = begin.elapsed_time(finish) / 1000.0
             compute = max(host_s, gpu_s - data_s - collective_s)
-            self._add(StepTime(data_s, compute, collective_s))
+            self._add(StepTime(data_s, compute, collective_s, starved_s))
 
     def _new_event(self) -> Any:
         """A timing CUDA event (None before CUDA is in use): ``event_factory`` if given."""
         if self.event_factory is not None:
             return self.event_factory()
-        import torch
-
         cuda: Any = torch.cuda
         return cuda.Event(enable_timing=True) if cuda.is_initialized() else None
 
@@ -221,4 +414,5 @@ class StepClock:
             statistics.median(s.compute for s in steps),
             statistics.median(s.collective for s in steps),
             statistics.median(s.step for s in steps),
+            statistics.median(s.starved for s in steps),
         )

@@ -20,6 +20,7 @@ from ddpctx.hang.inflight import Tracker
 from ddpctx.reduce.collectives import Site, all_reduce_tree, check_op
 from ddpctx.reduce.objects import all_gather_objects
 from ddpctx.reduce.packing import OpSpec
+from ddpctx.utils.warn import warn_user
 from ddpctx.watch.clock import PhaseTimes, StepClock
 from ddpctx.watch.metrics import check_scalars
 from ddpctx.watch.profiling import Profiling, parse_profile_env
@@ -116,12 +117,13 @@ class Watch:
         self.log_dir = log_dir
         self.trail = Trail(loggers, writer=rank == 0)
         window = straggler.window if straggler is not None else 50
+        self.world_size = world_size
         self.clock: StepClock | None = StepClock(tracker, window, cuda=cuda) if timings else None
         self.watcher: Watcher | None = None
         self.profiles: list[Profiling] = []
         if profile_env:
-            steps, ranks = parse_profile_env(profile_env)
-            self.add_profile(Profiling(rank, log_dir, steps, ranks, {}))
+            steps, ranks = parse_profile_env(profile_env, world_size)
+            self.add_profile(Profiling(rank, log_dir, steps, ranks, {}, world_size))
         if (
             self.clock is not None
             and straggler is not None
@@ -130,14 +132,21 @@ class Watch:
         ):
             self.watcher = Watcher(straggler, self.clock, store, rank, world_size, self.host)
             self.watcher.start()
+        # last: nothing above may raise with the hooks on
+        self._unhook = self.clock.install() if self.clock is not None else None
+
+    def watch_model(self, model: object) -> None:
+        """Time the forward of a model from ``ctx.wrap`` / ``ctx.shard`` (step timings)."""
+        if self.clock is not None:
+            self.clock.watch_model(model)
 
     def add_profile(self, profiling: Profiling) -> Profiling:
         if profiling.steps is not None:
             if self.clock is None:
                 raise ValueError(
-                    f"ctx.profile(steps={profiling.steps!r}) counts the steps of ctx.dataloader, "
-                    "but this block has timings=False. Use distributed(timings=True), or "
-                    "`with ctx.profile():` around the code to profile."
+                    f"ctx.profile(steps={profiling.steps!r}) counts the steps the step clock "
+                    "times, but this block has timings=False. Use distributed(timings=True), "
+                    "or `with ctx.profile():` around the code to profile."
                 )
             self.clock.listeners.append(profiling.on_step)
         self.profiles.append(profiling)
@@ -146,6 +155,7 @@ class Watch:
     def stop(self) -> None:
         """Stop the watcher (its last judgement), finish profiles, flush and close the trail."""
         try:
+            self._stop_clock()
             if self.watcher is not None:
                 self.watcher.stop()
         finally:
@@ -154,6 +164,23 @@ class Watch:
                     profiling.stop()
             finally:
                 self.trail.close()
+
+    def _stop_clock(self) -> None:
+        """Take the clock's hooks off; say so when a training loop went untimed."""
+        clock, unhook, self._unhook = self.clock, self._unhook, None
+        if clock is None or unhook is None:
+            return
+        unhook()
+        clock.close()
+        if clock.count == 0 and clock.worked and self.rank == 0 and self.world_size > 1:
+            warn_user(
+                "ddpctx timed no step in this block: its models ran forward/backward, but "
+                "steps end at an optimizer.step() of a torch.optim optimizer or at each "
+                "batch of ctx.dataloader, and neither happened, so there are no timings "
+                "and no straggler report. Step a torch.optim optimizer, read batches "
+                "through ctx.dataloader, or pass distributed(timings=False) to say you "
+                "need none."
+            )
 
 
 class WatchFaces:
@@ -259,11 +286,15 @@ class WatchFaces:
     ) -> Profiling:
         """``torch.profiler`` traces, one file per rank: ``log_dir/profile/rank<r>.pt.trace.json``.
 
-        ``steps=(first, last)`` profiles those steps of ``ctx.dataloader``'s
-        iterators (counted from 0) with no code in the loop; without ``steps``
-        use it as ``with ctx.profile():``. ``ranks`` limits it to those ranks.
+        ``steps=(first, last)`` profiles those steps as the step clock counts
+        them (from 0: optimizer steps, or ``ctx.dataloader`` batches in a loop
+        without an optimizer; :mod:`ddpctx.watch.clock`) with no code in the
+        loop; without ``steps`` use it as ``with ctx.profile():``. ``ranks``
+        limits it to those ranks (each below the world size).
         ``profiler_kwargs`` go to ``torch.profiler.profile`` (e.g.
-        ``record_shapes=True``). Also ``DDPCTX_PROFILE=10-12@0,1``.
+        ``record_shapes=True``). Also ``DDPCTX_PROFILE=10-12@0,1``. A trace
+        never replaces another: a later one is ``rank<r>.1.pt.trace.json``, ...
+        Without ``log_dir`` traces go to ``./profile/`` and a warning says so.
 
         >>> from ddpctx import distributed
         >>> import tempfile, torch
@@ -275,7 +306,12 @@ class WatchFaces:
         """
         watch = self._watch
         profiling = Profiling(
-            self.rank, watch.log_dir if watch else None, steps, ranks, profiler_kwargs
+            self.rank,
+            watch.log_dir if watch else None,
+            steps,
+            ranks,
+            profiler_kwargs,
+            self.world_size,
         )
         return watch.add_profile(profiling) if watch is not None else profiling
 

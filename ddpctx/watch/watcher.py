@@ -6,11 +6,13 @@ store -- the store the hang doctor uses, never the process group, so the
 training thread never waits for it and ranks never need to agree on when.
 Rank 0's thread reads every rank's and, once each has a full window, asks
 :func:`~ddpctx.watch.straggler.find_straggler`. A straggler is printed to stderr
-(the report's first line starts ``ddpctx straggler report:``), again for the
-same rank at most every ``every`` steps, and a reported rank that stops being
-one is said to have caught up. On leaving the block each rank publishes once
-more and rank 0 judges the last window (waiting a few seconds at most for
-the others), so a short job is judged too.
+(the report's first line starts ``ddpctx straggler report:``) once it has
+lasted ``persist`` windows, again for the same rank at most every ``every``
+steps, and a reported rank that has stayed back in the lower band for a
+window is said to have caught up (:class:`~ddpctx.watch.straggler.Judge`).
+On leaving the block each rank publishes once more and rank 0 judges the
+last window (waiting a few seconds at most for the others), so a short job
+is judged too.
 
 Keys are per block: each rank counts the blocks it entered on this store,
 so a process group that outlives a block (the pytest plugin's) never mixes
@@ -30,13 +32,7 @@ import time
 from typing import Any
 
 from ddpctx.watch.clock import PhaseTimes, StepClock
-from ddpctx.watch.straggler import (
-    StragglerSettings,
-    Verdict,
-    find_straggler,
-    format_caught_up,
-    format_report,
-)
+from ddpctx.watch.straggler import Judge, StragglerSettings
 
 PREFIX = "ddpctx/watch/"
 #: How long rank 0 waits at the end of the block for the others' last timings.
@@ -65,7 +61,7 @@ class Watcher:
         self.reports: list[str] = []
         block = int(store.add(f"{PREFIX}blocks/rank{rank}", 1))
         self._keys = [f"{PREFIX}{block}/rank{r}" for r in range(world_size)]
-        self._reported: tuple[Verdict, int] | None = None  # (whom, at which step)
+        self._judge_of = Judge(settings)  # rank 0's: who was reported, whether caught up
         self._published = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpctx-watch", daemon=True)
@@ -125,23 +121,11 @@ class Watcher:
         return PhaseTimes(**record), final
 
     def _judge(self, ranks: list[PhaseTimes] | None) -> None:
-        window = self.settings.window
-        if ranks is None or min(r.steps for r in ranks) < window:
+        if ranks is None:
             return
-        step = min(r.steps for r in ranks)
-        verdict = find_straggler(ranks, self.settings)
-        reported = self._reported
-        if verdict is not None:
-            if (
-                reported is None
-                or reported[0].rank != verdict.rank
-                or step - reported[1] >= self.settings.every
-            ):
-                self._say(format_report(verdict, ranks, window))
-                self._reported = (verdict, step)
-        elif reported is not None:
-            self._say(format_caught_up(reported[0].rank, reported[0].host, ranks, window))
-            self._reported = None
+        report = self._judge_of.observe(ranks)
+        if report is not None:
+            self._say(report)
 
     def _say(self, report: str) -> None:
         self.reports.append(report)
