@@ -2,7 +2,8 @@
 
 Run:  python benchmarks/bench_call.py [--samples 600]
 
-Two ranks (gloo, CPU) train the small DDP model of ``run.py``'s section 2.
+Two ranks (gloo, CPU) train the small DDP model of ``run.py``'s section 2
+(``benchmarks/workload.py``).
 After each step, one piece of the per-step loss reduction is timed -- a
 different piece each step, in turn, the same on both ranks -- so every piece
 is timed in the state a real call meets: caches cooled by the forward,
@@ -21,6 +22,10 @@ fast path's pack (its checks, ``item()`` and the float64 buffer) and unpack
 in the current default group, and the decorator's own frame. ``nothing``
 is the timer's own cost. Printed: each piece's median on both ranks, in µs.
 The hang doctor is off (its wrappers are timed in ``run.py``'s section 2).
+
+Also ``run.py``'s section 2b (:func:`cpu_section`): :func:`per_call_cpu`, the
+CPU cost of one ``@all_reduced`` call on 32 0-d tensors in one process, where
+there is no collective, against ``torch.stack(...).tolist()`` of them.
 """
 
 from __future__ import annotations
@@ -30,35 +35,32 @@ import functools
 import inspect
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ddpctx import all_reduced, current, launch
+from benchmarks.report import Say
+from benchmarks.stats import paired_ratio, per_call
+from benchmarks.workload import BATCH, FEATURES, active, loss_site, seeded_model, train_step
+from ddpctx import all_reduced, distributed, launch
 from ddpctx.reduce.collectives import Reduction
 from ddpctx.utils.issuing import ISSUING
 
 
 def pieces_us(samples: int) -> dict[str, float]:
     """On each rank: the median microseconds of each piece, each timed after a step."""
-    ctx = current()
-    assert ctx is not None
-    torch.manual_seed(0)
-    model = ctx.wrap(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(64, 32), torch.randn(64, 1)
-
-    @all_reduced
-    def step_loss(loss: torch.Tensor) -> torch.Tensor:
-        return loss
-
-    @all_reduced(async_op=True)
-    def step_loss_async(loss: torch.Tensor) -> torch.Tensor:
-        return loss
+    ctx = active()
+    model, optimizer = seeded_model(ctx)
+    x, y = torch.randn(BATCH, FEATURES), torch.randn(BATCH, 1)
+    step_loss, step_loss_async = loss_site(), loss_site(async_op=True)
 
     warm = torch.tensor(0.5)
     for _ in range(2):  # both sites agree on their structure: the steady state from here
@@ -114,11 +116,7 @@ def pieces_us(samples: int) -> dict[str, float]:
     times: dict[str, list[int]] = {name: [] for name in names}
     clock = time.perf_counter_ns
     for index in range(-50, samples * len(names)):  # 50 steps of warm-up
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        loss = loss.detach()
+        loss = train_step(model, optimizer, x, y).detach()
         name = names[index % len(names)]  # the same piece on both ranks: collectives pair
         began = clock()
         pieces[name](loss)
@@ -126,6 +124,50 @@ def pieces_us(samples: int) -> dict[str, float]:
         if index >= 0:
             times[name].append(elapsed)
     return {name: statistics.median(values) / 1e3 for name, values in times.items()}
+
+
+def per_call_cpu(rounds: int, calls: int) -> dict[str, list[float]]:
+    """Single process: @all_reduced on 32 0-d tensors vs torch.stack(...).tolist() of them.
+
+    With one rank there is no collective: this is the CPU cost of packing,
+    checking and unpacking, the floor a GPU user feels next to a 10-20 us
+    NCCL all_reduce.
+    """
+    results: dict[str, list[float]] = {
+        "torch.stack(...).tolist()": [],
+        "torch.stack(...).unbind() (tensors back)": [],
+        "ddpctx @all_reduced": [],
+    }
+    with distributed():
+        metrics = {f"m{i}": torch.tensor(float(i)) for i in range(32)}
+        contenders = {
+            "torch.stack(...).tolist()": lambda: torch.stack(list(metrics.values())).tolist(),
+            "torch.stack(...).unbind() (tensors back)": lambda: dict(
+                zip(metrics, torch.stack(list(metrics.values())).unbind(0), strict=True)
+            ),
+            "ddpctx @all_reduced": all_reduced(lambda: metrics),
+        }
+        for fn in contenders.values():
+            for _ in range(50):
+                fn()
+        for _ in range(rounds):
+            for name, fn in contenders.items():
+                results[name].append(per_call(fn, calls))
+    return results
+
+
+def cpu_section(say: Say, quick: bool) -> None:
+    """Section 2b of ``run.py``: :func:`per_call_cpu`'s medians and paired ratios."""
+    say("\n## 2b. Per-call CPU cost, one process, 32 scalar tensors (median)\n")
+    cpu = per_call_cpu(10 if quick else 30, 200)
+    bare = cpu["torch.stack(...).tolist()"]
+    say("| | median per call | / stack + tolist (paired per round) |\n|---|---:|---:|")
+    for name, times in cpu.items():
+        target = "; target <= 2x" if name == "ddpctx @all_reduced" else ""
+        say(
+            f"| {name} | {statistics.median(times) * 1e6:.1f} us "
+            f"| {paired_ratio(times, bare):.2f}x{target} |"
+        )
 
 
 def main() -> None:

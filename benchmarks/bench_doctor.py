@@ -33,18 +33,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
-from torch import nn
 
-from ddpctx import all_reduced, current, launch
+from benchmarks.processes import median_step, print_median_step, torchrun
+from benchmarks.stats import paired_ratio, round_order
+from benchmarks.workload import BATCH, FEATURES, active, loss_site, seeded_model, train_step
+from ddpctx import launch
 from ddpctx.hang.inflight import Tracker, install
 from ddpctx.hang.settings import HangSettings
 from ddpctx.hang.watchdog import Doctor, Watchdog
@@ -93,25 +97,14 @@ def start(row: str, rank: int, world_size: int) -> Callable[[], None]:
 
 def training_step() -> Callable[[], tuple[float, float]]:
     """One step of the loop, in the current context; returns its model and metric parts."""
-    ctx = current()
-    assert ctx is not None
-    torch.manual_seed(0)
-    model = ctx.wrap(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(64, 32), torch.randn(64, 1)
-
-    @all_reduced
-    def step_loss(loss: torch.Tensor) -> torch.Tensor:
-        return loss
-
+    model, optimizer = seeded_model(active())
+    x, y = torch.randn(BATCH, FEATURES), torch.randn(BATCH, 1)
+    step_loss = loss_site()
     clock = time.perf_counter
 
     def step() -> tuple[float, float]:
         t0 = clock()
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        loss = train_step(model, optimizer, x, y)
         t1 = clock()
         step_loss(loss.detach())
         return t1 - t0, clock() - t1
@@ -120,17 +113,14 @@ def training_step() -> Callable[[], tuple[float, float]]:
 
 
 def rank_times(rounds: int, block: int) -> dict[str, dict[str, list[float]]]:
-    ctx = current()
-    assert ctx is not None
+    ctx = active()
     step = training_step()
     times: dict[str, dict[str, list[float]]] = {
         row: {"block": [], "model": [], "metric": []} for row in ROWS
     }
     clock = time.perf_counter
     for round_index in range(rounds + 2):  # two rounds of warm-up
-        order = list(ROWS)
-        random.Random(round_index).shuffle(order)  # seeded: the same order on both ranks
-        for row in order:
+        for row in round_order(ROWS, round_index):  # the same order on both ranks
             undo = start(row, ctx.rank, ctx.world_size)
             ctx.barrier()
             began = clock()
@@ -159,7 +149,7 @@ def one_job(steps: int) -> None:
             step()
             times.append(time.perf_counter() - began)
         if ctx.rank == 0:
-            print(f"MEDIAN-STEP {statistics.median(times)!r}", flush=True)
+            print_median_step(statistics.median(times))
 
 
 def job_pairs(pairs: int, steps: int) -> None:
@@ -167,21 +157,12 @@ def job_pairs(pairs: int, steps: int) -> None:
     for pair in range(pairs):
         for seconds in ("0", "60") if pair % 2 == 0 else ("60", "0"):  # alternate who goes first
             env = {**os.environ, "DDPCTX_HANG_TIMEOUT": seconds}
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            output = subprocess.run(
-                [*command, "--nproc_per_node=2", __file__, "--one-job", str(steps)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=True,
-            ).stdout
-            found = [line for line in output.splitlines() if line.startswith("MEDIAN-STEP ")]
-            medians[seconds].append(float(found[0].split()[1]))
+            command = torchrun(2, __file__, "--one-job", steps)
+            medians[seconds].append(median_step(command, env))
     for seconds, label in (("0", "doctor off"), ("60", "doctor on")):
         print(f"{label}: median step per job, µs: {[round(m * 1e6) for m in medians[seconds]]}")
-    ratios = [on / off for on, off in zip(medians["60"], medians["0"], strict=True)]
-    print(f"on / off, median of {pairs} paired jobs: {statistics.median(ratios):.3f}x")
+    on_off = paired_ratio(medians["60"], medians["0"])
+    print(f"on / off, median of {pairs} paired jobs: {on_off:.3f}x")
 
 
 def main() -> None:
@@ -206,7 +187,7 @@ def main() -> None:
     for row, parts in times.items():
         model_part = statistics.median(parts["model"]) * 1e6
         metric_part = statistics.median(parts["metric"]) * 1e6
-        paired = statistics.median(a / b for a, b in zip(parts["block"], off, strict=True))
+        paired = paired_ratio(parts["block"], off)
         print(f"| {row} | {model_part:.1f} µs | {metric_part:.1f} µs | {paired:.3f}x |")
 
 

@@ -17,6 +17,9 @@ Run:  python benchmarks/bench_harness.py [--tests 100] [--spawned 8]
   costs a test in the same session.
 Targets: <= 10 ms per trivial test through the warm pool, cold start <= 3 s,
 warm >= 20x faster in total.
+
+Also ``run.py``'s section 5 (:func:`harness_section`): this script's output,
+run in a new process.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.processes import script
+from benchmarks.report import Say
 
 
 def trivial_test() -> float:
@@ -197,6 +206,17 @@ def main() -> None:
         f"{args.tests} tests estimated: {spawn_total:.1f} s)"
     )
     print(f"warm pool is {spawn_total / warm_total:.0f}x faster over {args.tests} tests")
+
+
+def harness_section(say: Say, quick: bool) -> None:
+    """Section 5 of ``run.py``: what this script prints, with fewer tests when ``quick``."""
+    say("\n## 5. Test harness\n")
+    tests, spawned = (30, 3) if quick else (100, 8)
+    say("```\n" + script("bench_harness.py", "--tests", tests, "--spawned", spawned) + "\n```")
+    say(
+        "torch's MultiProcessTestCase needs `expecttest` and torch's internal test "
+        "package, which the CPU wheel here does not ship: not measured."
+    )
 
 
 if __name__ == "__main__":

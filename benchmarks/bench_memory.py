@@ -39,8 +39,13 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import torch
 from torch import nn
+
+from benchmarks.processes import torchrun
 
 BLOCKS = 15
 WIDTHS = {"4M": 512, "15M": 1024, "60M": 2048, "250M": 4096}
@@ -110,17 +115,7 @@ def measure(way: str, width: int, out: Path) -> None:
 def run_job(
     way: str, size: str, world_size: int, timeout: float, mmap_threshold: int | None
 ) -> list[dict[str, float]]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world_size}",
-        __file__,
-        "--rank-main",
-        way,
-        str(WIDTHS[size]),
-    ]
+    command = torchrun(world_size, __file__, "--rank-main", way, WIDTHS[size])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if mmap_threshold is not None:

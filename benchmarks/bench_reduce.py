@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
+
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.stats import paired_ratio, per_call
 from ddpctx import all_reduced, distributed
 
 
@@ -58,18 +63,12 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, fn in contenders.items():
                 ctx.barrier()
-                started = time.perf_counter()
-                for _ in range(args.calls):
-                    fn()
-                samples[name].append((time.perf_counter() - started) / args.calls)
+                samples[name].append(per_call(fn, args.calls))
 
         medians = {name: statistics.median(times) for name, times in samples.items()}
         floor_name = "(a) raw all_reduce, 1 buffer"
         floor_time = medians[floor_name]
-        paired = {
-            name: statistics.median(t / f for t, f in zip(times, samples[floor_name], strict=True))
-            for name, times in samples.items()
-        }
+        paired = {name: paired_ratio(times, samples[floor_name]) for name, times in samples.items()}
         ctx.print(
             f"{args.metrics} scalar metrics, {ctx.world_size} ranks, backend {ctx.backend}, "
             f"{args.rounds} rounds x {args.calls} calls, torch {torch.__version__}"

@@ -22,10 +22,14 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
@@ -35,7 +39,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ddpctx import current, launch
+from benchmarks.stats import paired_ratio
+from benchmarks.workload import active
+from ddpctx import launch
 
 WIDTH, BLOCKS, BATCH = 512, 6, 64
 
@@ -65,8 +71,7 @@ def step(module: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -
 
 
 def bench_rank(rounds: int, steps: int) -> dict[str, Any]:
-    ctx = current()
-    assert ctx is not None
+    ctx = active()
     x = torch.randn(BATCH, WIDTH)
     sharded = ctx.shard(model(), blocks=[nn.Linear])
     raw = model()
@@ -112,11 +117,11 @@ def bench_rank(rounds: int, steps: int) -> dict[str, Any]:
 
 
 def paired(times: dict[str, list[float]], mine: str, floor: str) -> tuple[float, float, float]:
-    ratios = [a / b for a, b in zip(times[mine], times[floor], strict=True)]
+    """The medians of ``mine`` and ``floor``, and the median of their per-round ratios."""
     return (
         statistics.median(times[mine]),
         statistics.median(times[floor]),
-        statistics.median(ratios),
+        paired_ratio(times[mine], times[floor]),
     )
 
 

@@ -28,13 +28,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from benchmarks.stats import paired_ratio
 from ddpctx.data.streambuild import make_stream_loader
 
 
@@ -117,8 +123,9 @@ def main() -> None:
         for name in loaders:
             rate = args.samples / statistics.median(wall for wall, _ in times[name])
             plain = times[name.replace("ddpctx", "plain")]
-            pairs = list(zip(times[name], plain, strict=True))
-            ratios = [statistics.median(a[i] / b[i] for a, b in pairs) for i in (0, 1)]
+            ratios = [
+                paired_ratio([t[i] for t in times[name]], [t[i] for t in plain]) for i in (0, 1)
+            ]
             print(f"| {work:g} us | {name} | {rate:,.0f} | {ratios[0]:.3f} | {ratios[1]:.3f} |")
 
 

@@ -3,7 +3,7 @@
 Run:  python benchmarks/bench_watch.py --jobs 6 [--steps 1500]
       torchrun --standalone --nproc_per_node=2 benchmarks/bench_watch.py [--rounds 40 --block 60]
 
-Two ranks (gloo, CPU) train the small DDP model of ``bench_doctor.py`` (32 -> 128 -> 1,
+Two ranks (gloo, CPU) train the small DDP model of ``workload.py`` (32 -> 128 -> 1,
 batches of 64 from ``ctx.dataloader``) and reduce the loss with ``@all_reduced`` each
 step, as the hang doctor's benchmark does. Each round enters ``distributed()`` once per
 row, in a new random order (the same on both ranks), warms up 10 steps and times a
@@ -30,18 +30,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from ddpctx import all_reduced, distributed
+import torch
+
+from benchmarks.processes import median_step, print_median_step, torchrun
+from benchmarks.stats import paired_ratio, round_order
+from benchmarks.workload import BATCH, FEATURES, loss_site, seeded_model, train_step
+from ddpctx import distributed
 
 ROWS = ("plain", "plain, again", "timings + straggler", "+ ctx.log every step")
 
@@ -55,26 +59,18 @@ def block(row: str, steps: int, log_dir: str, warm_up: int = 10) -> tuple[float,
         options["log_dir"] = log_dir
     logging = "log_dir" in options
     with distributed(seed=0, **options) as ctx:
-        torch.manual_seed(0)
-        model = ctx.wrap(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 1)))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        data = [(torch.randn(32), torch.randn(1)) for _ in range((steps + warm_up) * 64 * 2)]
-        loader = ctx.dataloader(data, batch_size=64)
-
-        @all_reduced
-        def step_loss(loss: torch.Tensor) -> torch.Tensor:
-            return loss
-
+        model, optimizer = seeded_model(ctx)
+        samples = (steps + warm_up) * BATCH * 2
+        data = [(torch.randn(FEATURES), torch.randn(1)) for _ in range(samples)]
+        loader = ctx.dataloader(data, batch_size=BATCH)  # type: ignore[arg-type]
+        step_loss = loss_site()
         times = []
         ctx.barrier()
         began = last = time.perf_counter()
         for index, (x, y) in enumerate(loader):
             if index == warm_up:
                 began = last  # the warm-up is over
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            loss = train_step(model, optimizer, x, y)
             if logging:
                 ctx.log({"loss": loss.detach()})
             else:
@@ -89,26 +85,13 @@ def block(row: str, steps: int, log_dir: str, warm_up: int = 10) -> tuple[float,
 def job_rounds(rounds: int, steps: int) -> None:
     medians: dict[str, list[float]] = {row: [] for row in ROWS}
     for round_index in range(rounds):
-        order = list(ROWS)
-        random.Random(round_index).shuffle(order)
-        for row in order:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            output = subprocess.run(
-                [*command, "--nproc_per_node=2", __file__, "--one-job", row, str(steps)],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=True,
-            ).stdout
-            found = [line for line in output.splitlines() if line.startswith("MEDIAN-STEP ")]
-            medians[row].append(float(found[0].split()[1]))
+        for row in round_order(ROWS, round_index):
+            medians[row].append(median_step(torchrun(2, __file__, "--one-job", row, steps)))
     print(f"{rounds} rounds of one 2-rank job per row, {steps} timed steps each\n")
     print("| row | median step per job, µs | job / plain (paired, median over rounds) |")
     print("|---|---|---:|")
     for row in ROWS:
-        paired = statistics.median(
-            a / b for a, b in zip(medians[row], medians["plain"], strict=True)
-        )
+        paired = paired_ratio(medians[row], medians["plain"])
         jobs = ", ".join(f"{m * 1e6:.0f}" for m in medians[row])
         print(f"| {row} | {jobs} | {paired:.3f}x |")
 
@@ -126,31 +109,27 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as log_dir:
             _, median = block(row, int(steps), log_dir, warm_up=100)
         if os.environ.get("RANK", "0") == "0":
-            print(f"MEDIAN-STEP {median!r}", flush=True)
+            print_median_step(median)
         return
     if args.jobs:
         job_rounds(args.jobs, args.steps)
         return
     blocks: dict[str, list[float]] = {row: [] for row in ROWS}
-    steps: dict[str, list[float]] = {row: [] for row in ROWS}
+    medians: dict[str, list[float]] = {row: [] for row in ROWS}
     with tempfile.TemporaryDirectory() as log_dir:
         for round_index in range(args.rounds + 1):  # one round of warm-up
-            order = list(ROWS)
-            random.Random(round_index).shuffle(order)  # seeded: the same order on both ranks
-            for row in order:
+            for row in round_order(ROWS, round_index):  # the same order on both ranks
                 elapsed, median = block(row, args.block, log_dir)
                 if round_index > 0:
                     blocks[row].append(elapsed)
-                    steps[row].append(median)
+                    medians[row].append(median)
     if os.environ.get("RANK", "0") == "0":
         print(f"{args.rounds} rounds of {args.block} steps per row, rank 0\n")
         print("| row | median step | block / plain (paired, median over rounds) |")
         print("|---|---:|---:|")
         for row in ROWS:
-            paired = statistics.median(
-                a / b for a, b in zip(blocks[row], blocks["plain"], strict=True)
-            )
-            median = statistics.median(steps[row]) * 1e6
+            paired = paired_ratio(blocks[row], blocks["plain"])
+            median = statistics.median(medians[row]) * 1e6
             print(f"| {row} | {median:.1f} µs | {paired:.3f}x |")
 
 

@@ -24,9 +24,11 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from ddpctx import RankError, all_reduced, current, launch, rank_zero_only
+if not __package__:  # run as a file: the repository, not benchmarks/, heads sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.processes import REPO, torchrun
+from ddpctx import RankError, all_reduced, current, launch, rank_zero_only
 
 
 def reduce_fails_on_rank_one() -> None:
@@ -73,15 +75,7 @@ TORCHRUN_SCRIPT = textwrap.dedent(
 
 def torchrun_blamed(script: Path) -> int | None:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--monitor-interval=0.2",
-            str(script),
-        ],
+        torchrun(2, "--monitor-interval=0.2", script),
         capture_output=True,
         text=True,
         timeout=120,

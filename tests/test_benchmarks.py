@@ -1,47 +1,44 @@
-"""A smoke test of benchmarks/run.py: one tiny case of each multi-rank benchmark.
+"""A smoke test of the benchmarks package: one tiny case of each multi-rank benchmark.
 
 The benchmarks themselves are not part of the test run (they take minutes and
-their numbers are noisy); this only keeps their code working.
+their numbers are noisy); this only keeps their code working: the sections that
+benchmarks/run.py calls, the shared statistics, and the package's scripts run
+as files.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks import bench_call, bench_memory, reduction, stats, training
 from ddpctx import launch
 from tests.helpers import REPO
 
 
-def load_runner(script: str = "run") -> ModuleType:
-    name = f"bench_{script}"
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{script}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
-    runner = load_runner()
     samples = launch(
-        runner.reduction_rank, ["1", "8", runner.MIXED], 1, 2, True, world_size=2, timeout=120
+        reduction.reduction_rank,
+        ["1", "8", reduction.MIXED],
+        1,
+        2,
+        True,
+        world_size=2,
+        timeout=120,
     )[0]
-    table = runner.format_reduction(samples)
+    table = reduction.format_reduction(samples)
     assert table[0].startswith("| contender | 1 metric | 8 metrics |")
     assert any(line.startswith("| ddpctx @all_reduced |") for line in table)
-    training = launch(runner.training_rank, 2, 2, world_size=2, timeout=120)[0]
-    assert set(training) == {
-        runner.WATCHDOG,
+    training_times = launch(training.training_rank, 2, 2, world_size=2, timeout=120)[0]
+    assert set(training_times) == {
+        training.WATCHDOG,
         "hand-written loop",
         "hand-written loop, again",
         "hand-written loop, async_op",
@@ -52,44 +49,40 @@ def test_one_round_of_the_reduction_and_training_benchmarks_runs() -> None:
         "ddpctx loop, hang doctor on",
         "ddpctx loop, debug=True",
     }
-    watched = training.pop(runner.WATCHDOG)
+    watched = training_times.pop(training.WATCHDOG)
     assert 0 <= watched["cpu"][0] < watched["wall"][0]  # a thread that mostly sleeps
-    for times in training.values():  # 2 rounds of 2 steps: a time per round, parts per step
+    for times in training_times.values():  # 2 rounds of 2 steps: a time per round, parts per step
         assert len(times["step"]) == len(times["cpu"]) == 2
         assert all(t > 0 for t in times["step"])
-        assert all(len(times[part]) == 4 for part in runner.PARTS)
-    lines = runner.format_training({**training, runner.WATCHDOG: watched}, 2, 2)
+        assert all(len(times[part]) == 4 for part in training.PARTS)
+    lines = training.format_training({**training_times, training.WATCHDOG: watched}, 2, 2)
     assert any(line.startswith("| ddpctx loop, async_op | ") for line in lines)
     assert any("µs" in line and "| hand-written loop, async_op |" in line for line in lines)
 
 
 def test_the_per_call_cpu_cost_row_runs() -> None:
-    runner = load_runner()
-    cpu = runner.per_call_cpu(1, 2)
+    cpu = bench_call.per_call_cpu(1, 2)
     assert "ddpctx @all_reduced" in cpu
     assert all(len(times) == 1 and times[0] > 0 for times in cpu.values())
 
 
-@settings(deadline=None)  # the module loads in each example; a busy machine is slow at it
+@settings(deadline=None)  # a busy machine is slow at 200 resamples
 @given(st.lists(st.floats(0.5, 2.0), min_size=1, max_size=60))
-@pytest.mark.slow  # over 2 s: out of the quick tier
 def test_a_ratios_interval_holds_its_median_within_the_samples(ratios: list[float]) -> None:
-    runner = load_runner()
-    middle, low, high = runner.median_interval(ratios, resamples=200)
+    middle, low, high = stats.median_interval(ratios, resamples=200)
     assert min(ratios) <= low <= middle <= high <= max(ratios)
-    assert runner.median_interval(ratios, resamples=200) == (middle, low, high)  # seeded
+    assert stats.median_interval(ratios, resamples=200) == (middle, low, high)  # seeded
 
 
 def test_a_target_is_met_only_when_the_whole_interval_is_at_or_under_it() -> None:
-    runner = load_runner()
-    assert runner.verdict(0.98, 1.01, 1.01) == "met"
-    assert runner.verdict(1.011, 1.05, 1.01) == "not met"
-    assert runner.verdict(0.99, 1.02, 1.01) == "unresolved"
-    assert runner.median_interval([1.02] * 50) == (1.02, 1.02, 1.02)
+    assert stats.verdict(0.98, 1.01, 1.01) == "met"
+    assert stats.verdict(1.011, 1.05, 1.01) == "not met"
+    assert stats.verdict(0.99, 1.02, 1.01) == "unresolved"
+    assert stats.median_interval([1.02] * 50) == (1.02, 1.02, 1.02)
 
 
 def test_the_call_breakdown_times_every_piece_on_both_ranks() -> None:
-    pieces = launch(load_runner("bench_call").pieces_us, 1, world_size=2, timeout=120)
+    pieces = launch(bench_call.pieces_us, 1, world_size=2, timeout=120)
     assert pieces[0].keys() == pieces[1].keys()
     assert {"@all_reduced call", "fast path pack", "nothing"} <= pieces[0].keys()
     assert all(microseconds > 0 for rank in pieces for microseconds in rank.values())
@@ -98,18 +91,17 @@ def test_the_call_breakdown_times_every_piece_on_both_ranks() -> None:
 def test_a_verdict_follows_from_the_interval_as_printed() -> None:
     # Found by the outside attack: ratios of 1.0304 printed as "[1.030, 1.030]" read
     # "not met" against 1.03, and one line read both "not met" and "met" for [1.010, 1.010].
-    runner = load_runner()
-    names = ["hand-written loop"] + [name for name, _, _, _ in runner.TRAINING_ROWS]
+    names = ["hand-written loop"] + [name for name, _, _, _ in training.TRAINING_ROWS]
 
     def row(step: float, cpu: float) -> dict[str, list[float]]:
-        parts = {part: [1e-4] * 80 for part in runner.PARTS}
+        parts = {part: [1e-4] * 80 for part in training.PARTS}
         return {"step": [step] * 20, "cpu": [cpu] * 20, **parts}
 
     times = {name: row(4e-3, 2e-3) for name in names}
     times["ddpctx loop"] = row(4e-3 * 1.0304, 2e-3 * 1.0304)
     times["ddpctx loop, async_op"] = row(4e-3 * 1.0104, 2e-3 * 1.0096)
-    times[runner.WATCHDOG] = {"cpu": [0.0], "wall": [100.0]}
-    ratio_rows = [line for line in runner.format_training(times, 20, 4) if "x [" in line]
+    times[training.WATCHDOG] = {"cpu": [0.0], "wall": [100.0]}
+    ratio_rows = [line for line in training.format_training(times, 20, 4) if "x [" in line]
     (sync,) = (line for line in ratio_rows if line.startswith("| ddpctx loop |"))
     (async_,) = (line for line in ratio_rows if line.startswith("| ddpctx loop, async_op |"))
     assert "1.030x [1.030, 1.030] | 1.030x [1.030, 1.030] | <= 1.03x: met; met |" in sync
@@ -126,13 +118,12 @@ def test_an_interval_that_cannot_be_made_is_refused(
     # Found by the outside attack: resamples=1 gave an interval without its median,
     # resamples=0 an IndexError, no values a StatisticsError.
     with pytest.raises(ValueError, match=says):
-        load_runner().median_interval(values, resamples=resamples)
+        stats.median_interval(values, resamples=resamples)
 
 
 @pytest.mark.parametrize("way", ["wrap", "shard", "shard-meta"])
 def test_the_memory_benchmark_reads_each_ways_peak_on_both_ranks(way: str, tmp_path: Path) -> None:
-    bench = load_runner("bench_memory")
-    launch(bench.measure, way, 64, tmp_path, world_size=2, seed=0, timeout=120)
+    launch(bench_memory.measure, way, 64, tmp_path, world_size=2, seed=0, timeout=120)
     rows = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [row["rank"] for row in rows] == [0, 1]
     assert all(row["peak"] >= row["base"] > 0 for row in rows)
@@ -141,11 +132,10 @@ def test_the_memory_benchmark_reads_each_ways_peak_on_both_ranks(way: str, tmp_p
 def test_the_reduction_benchmark_shuffles_its_contenders_anew_each_round() -> None:
     # Found by an independent measurement: with the order fixed within a round, run.py's
     # 32-metric ratio (1.02x) did not reproduce in a paired, shuffled one (1.12-1.20x).
-    runner = load_runner()
     names = ["floor", "ddpctx", "loop", "fabric"]
-    orders = [runner.round_order(names, index) for index in range(40)]
+    orders = [stats.round_order(names, index) for index in range(40)]
     assert all(sorted(order) == sorted(names) for order in orders)
-    assert orders == [runner.round_order(names, index) for index in range(40)]  # every rank
+    assert orders == [stats.round_order(names, index) for index in range(40)]  # every rank
     for name in names:  # each contender comes first, and follows each other one, sometimes
         assert any(order[0] == name for order in orders)
         for before in names:
@@ -154,3 +144,26 @@ def test_the_reduction_benchmark_shuffles_its_contenders_anew_each_round() -> No
                     before,
                     name,
                 )
+
+
+@pytest.mark.parametrize("module", sorted(path.stem for path in (REPO / "benchmarks").glob("*.py")))
+def test_every_benchmark_module_imports_as_part_of_the_package(module: str) -> None:
+    # Importing runs nothing: startup.py's torchrun rank, say, would fail here without
+    # torchrun's environment.
+    assert importlib.import_module(f"benchmarks.{module}").__doc__
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["benchmarks/run.py"], ["benchmarks/bench_doctor.py"], ["-m", "benchmarks.run"]],
+    ids=["run.py as a file", "a bench script as a file", "run as a module"],
+)
+@pytest.mark.slow  # a fresh interpreter that imports torch: over 2 s
+def test_the_entry_points_run_as_files_and_as_modules(command: list[str]) -> None:
+    # As a file, sys.path starts at benchmarks/: each script puts the repository there so
+    # that its imports of the package's shared modules resolve.
+    done = subprocess.run(
+        [sys.executable, *command, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: ")
