@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 
 import ddpctx
-from tests.helpers import REPO, child_env, run_torchrun
+from tests.helpers import REPO, build_site, child_env, run_torchrun
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -307,21 +306,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for package in ("mkdocs", "material", "mkdocstrings_handlers.python"):
         pytest.importorskip(package, reason="pip install -r docs/requirements.txt")
     folder = tmp_path_factory.mktemp("site")
-    blocker = folder / "no-torch"
-    (blocker / "torch").mkdir(parents=True)
-    (blocker / "torch" / "__init__.py").write_text(
-        "raise ImportError('building the documentation must not import torch')\n"
-    )
-    path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "NO_MKDOCS_2_WARNING": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder / "html")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = build_site(folder)
     assert result.returncode == 0, result.stderr[-3000:]
     return folder / "html"
 
