@@ -7,7 +7,7 @@ headless Chromium open every page at 1280x900 and 390x844
 (tests/browser/check_site.mjs says what counts as a problem). The browser is
 ``@sparticuz/chromium`` driven by ``puppeteer-core``, installed with npm from
 tests/browser/package.json into a cache folder: ``$DDPCTX_BROWSER_CACHE``, else
-``~/.cache/ddpctx-browser`` (about 80 MB, ~10 s the first time).
+``~/.cache/ddpctx-browser`` (about 120 MB, ~10 s the first time).
 
 Without node and npm, or when the npm install fails, the test is skipped,
 naming what is missing; with ``DDPCTX_REQUIRE_BROWSER=1`` (CI sets it) it fails
@@ -221,8 +221,9 @@ def check_site(modules: Path, site: Path, work: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def report(
-    browser_modules: Path, built_site: Path, tmp_path_factory: pytest.TempPathFactory
+    built_site: Path, browser_modules: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
+    # the site first: without the docs extra the test is skipped before any npm install
     return check_site(browser_modules, built_site, tmp_path_factory.mktemp("browser"))
 
 
