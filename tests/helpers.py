@@ -269,3 +269,26 @@ def checkpoint_names(folder: Path) -> list[str]:
     files = {name for name in names if name.startswith("checkpoint-") and name.endswith(".pt")}
     assert manifests == {name + ".sums" for name in files}, names
     return [name for name in names if name not in manifests and name != ".ddpctx-writer.lock"]
+
+
+def build_site(folder: Path) -> subprocess.CompletedProcess[str]:
+    """``mkdocs build --strict`` into ``folder/html``, in a process that cannot import torch.
+
+    The site is promised to build without torch (mkdocstrings reads the source
+    statically): a ``torch`` that raises on import is put first on the path.
+    """
+    blocker = folder / "no-torch"
+    (blocker / "torch").mkdir(parents=True, exist_ok=True)
+    (blocker / "torch" / "__init__.py").write_text(
+        "raise ImportError('building the documentation must not import torch')\n"
+    )
+    path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder / "html")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patience(300),
+    )

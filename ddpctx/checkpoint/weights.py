@@ -165,7 +165,8 @@ def checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     >>> folder = tempfile.mkdtemp()
     >>> with distributed() as ctx:
     ...     model = ctx.wrap(torch.nn.Linear(3, 2))
-    ...     _ = ctx.save_checkpoint(folder, model=model, step=7, model_args={"n_in": 3})
+    ...     args = {"n_in": 3}
+    ...     _ = ctx.save_checkpoint(folder, model=model, step=7, model_args=args)
     >>> checkpoint_meta(folder)
     {'model_args': {'n_in': 3}, 'step': 7}
     """

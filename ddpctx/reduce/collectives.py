@@ -113,8 +113,8 @@ class ReductionError(RuntimeError):
 
     Example (what every rank sees when rank 1 returned other keys)::
 
-        ReductionError: all_reduced(evaluate): ranks returned different structures, so they
-        cannot be reduced together: rank 1 lacks ['acc']; adds ['f1']. ...
+        ReductionError: all_reduced(evaluate): ranks returned different structures,
+        so they cannot be reduced together: rank 1 lacks ['acc']; adds ['f1']. ...
     """
 
 
