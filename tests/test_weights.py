@@ -253,6 +253,40 @@ def test_a_damaged_newest_checkpoint_falls_back_as_load_checkpoint_does(
     assert "trying an older checkpoint" not in str(refused.value)
 
 
+@pytest.mark.filterwarnings("ignore:skipping:RuntimeWarning")
+@pytest.mark.parametrize("missing", ["ddpctx.pt", ".metadata"])
+def test_one_sharded_checkpoint_missing_a_file_is_refused_naming_that_file(
+    run_distributed: Any, tmp_path: Path, missing: str
+) -> None:
+    # It was a NotADirectoryError naming load_checkpoint and asking for a directory.
+    run_distributed(two_saves, str(tmp_path), "shard", world_size=2)
+    newest = max(tmp_path.glob("checkpoint-*.dcp"))
+    (newest / missing).unlink()
+    for read in (load_weights, lambda c: export_checkpoint(c, tmp_path / "out.pt")):
+        with pytest.raises(RuntimeError) as refused:
+            read(newest)
+        said = str(refused.value)
+        assert f"{str(newest)!r} cannot be read: {str(newest)!r}: it lacks " in said, said
+        assert ("lacks ddpctx.pt" if missing == "ddpctx.pt" else "lacks DCP's .metadata") in said
+        assert "load_checkpoint" not in said
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.filterwarnings("ignore:skipping:RuntimeWarning")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_directory_where_no_checkpoint_loads_is_said_one_way_for_files_and_folders(
+    run_distributed: Any, tmp_path: Path, mode: str
+) -> None:
+    run_distributed(two_saves, str(tmp_path), mode, world_size=2)
+    for checkpoint in tmp_path.glob("checkpoint-*[tp]"):  # .pt and .dcp, not .sums
+        damage(checkpoint, "corrupt")
+    with pytest.raises(RuntimeError) as refused:
+        load_weights(tmp_path)
+    said = str(refused.value)
+    assert "and none of them loads (each is torn or damaged: see the warnings)." in said, said
+    assert "Refusing to start over silently" in said
+
+
 def test_a_directory_without_checkpoints_has_no_meta_and_no_weights(tmp_path: Path) -> None:
     assert checkpoint_meta(tmp_path) is None
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
