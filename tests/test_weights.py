@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from ddpctx import checkpoint_meta, current, distributed, load_weights
@@ -364,6 +366,48 @@ def test_meta_that_json_cannot_hold_is_refused_for_safetensors_naming_the_fix(
         export_checkpoint(tmp_path, tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
     assert cli(["export", str(tmp_path / "none"), str(tmp_path / "x.pt")]) == 1
+
+
+def test_meta_refused_for_safetensors_is_named_by_its_key(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    with distributed() as ctx:
+        model = ctx.wrap(nn.Linear(2, 1))
+        ctx.save_checkpoint(tmp_path, model=model, lr=0.1, scale=torch.tensor(3.04))
+    with pytest.raises(TypeError, match=r"^meta\['scale'\] is a Tensor \(tensor\(3\.04"):
+        export_checkpoint(tmp_path, tmp_path / "out.safetensors")
+
+
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5))
+JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=12,
+)
+
+
+@given(meta=st.dictionaries(st.text(max_size=4), JSON, min_size=1), data=st.data())
+def test_the_key_path_of_the_value_json_cannot_hold_is_named(
+    meta: dict[str, Any], data: st.DataObject
+) -> None:
+    from ddpctx.checkpoint.export import _json_meta
+
+    assert json.loads(_json_meta(meta)) == meta  # all JSON: written as it is
+    where, container, key = "meta", meta, data.draw(st.sampled_from(sorted(meta)))
+    while True:  # walk down to a random place and put a tensor there
+        where += f"[{key!r}]"
+        inner = container[key]
+        if not (isinstance(inner, (dict, list)) and inner) or data.draw(st.booleans()):
+            break
+        container, key = (
+            inner,
+            data.draw(
+                st.sampled_from(sorted(inner) if isinstance(inner, dict) else range(len(inner)))
+            ),
+        )
+    container[key] = torch.tensor(3.04)
+    with pytest.raises(TypeError) as refused:
+        _json_meta(meta)
+    assert str(refused.value).startswith(f"{where} is a Tensor (tensor(3.0400)"), refused.value
 
 
 def save_big(folder: str, mode: str) -> int:

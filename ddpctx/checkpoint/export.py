@@ -109,12 +109,35 @@ def unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+_JSON_LEAVES = (str, int, float, bool, type(None))
+
+
+def _not_json(value: Any, where: str) -> tuple[str, Any] | None:
+    """The key path (``meta['opt']['betas'][1]``) and value of the first thing JSON cannot hold."""
+    if isinstance(value, _JSON_LEAVES):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, _JSON_LEAVES):
+                return f"a key of {where}", key
+            if found := _not_json(item, f"{where}[{key!r}]"):
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            if found := _not_json(item, f"{where}[{index}]"):
+                return found
+        return None
+    return where, value
+
+
 def _json_meta(meta: dict[str, Any]) -> str:
-    def refuse(value: Any) -> Any:
+    found = _not_json(meta, "meta")
+    if found is not None:
+        where, value = found
         raise TypeError(
-            f"the meta holds a {type(value).__name__} ({value!r:.60}), which a safetensors "
+            f"{where} is a {type(value).__name__} ({value!r:.60}), which a safetensors "
             "file's metadata (JSON strings) cannot hold. Export to a .pt file instead (it keeps "
             "every meta value), or save that value as a number, string or list."
         )
-
-    return json.dumps(meta, default=refuse)
+    return json.dumps(meta)
