@@ -377,6 +377,22 @@ def test_meta_refused_for_safetensors_is_named_by_its_key(tmp_path: Path) -> Non
         export_checkpoint(tmp_path, tmp_path / "out.safetensors")
 
 
+@pytest.mark.parametrize("name", ["checkpoint-000009.pt", "checkpoint-000009-final.safetensors"])
+def test_an_export_named_like_a_checkpoint_into_the_checkpoint_directory_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    # Written, it made every later read of the directory refuse it as no checkpoint.
+    with distributed() as ctx:
+        ctx.save_checkpoint(tmp_path, model=ctx.wrap(nn.Linear(2, 1)), lr=0.1)
+    with pytest.raises(ValueError, match=r"named like a checkpoint .*Export under another name"):
+        export_checkpoint(tmp_path, tmp_path / name)
+    assert not (tmp_path / name).exists()
+    assert checkpoint_meta(tmp_path) == {"lr": 0.1}
+    assert export_checkpoint(tmp_path, tmp_path / "model.pt") == tmp_path / "model.pt"
+    assert sorted(load_weights(tmp_path)) == ["bias", "weight"]  # beside a model.pt export
+    assert cli(["export", str(tmp_path), str(tmp_path / "checkpoint-000010.pt")]) == 1
+
+
 JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5))
 JSON = st.recursive(
     JSON_LEAF,

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ddpctx.checkpoint.files import ANY_NAME
 from ddpctx.checkpoint.weights import load_weights, meta_of, resolve
 from ddpctx.utils.atomic import atomic_save, temporary_name
 
@@ -57,6 +58,7 @@ def export_checkpoint(
             f"{str(checkpoint)!r} holds no checkpoint to export. Pass the directory given to "
             "ctx.save_checkpoint after a save, or one checkpoint in it."
         )
+    _refuse_a_checkpoint_name(target, chosen.parent)
     weights, meta = load_weights(chosen), meta_of(chosen)
     target.parent.mkdir(parents=True, exist_ok=True)
     if save_file is None:
@@ -76,6 +78,22 @@ def export_checkpoint(
     finally:
         temporary.unlink(missing_ok=True)
     return target
+
+
+def _refuse_a_checkpoint_name(target: Path, directory: Path) -> None:
+    """An export named like a checkpoint, in the checkpoints' directory, is refused.
+
+    Every later read of the directory (``load_checkpoint``, ``load_weights``,
+    a resume) would take it for a checkpoint and refuse it, as it is none.
+    """
+    if ANY_NAME.match(target.name) and target.parent.resolve() == directory.resolve():
+        raise ValueError(
+            f"export destination {str(target)!r} is named like a checkpoint "
+            f"(checkpoint-NNNNNN...) inside the checkpoint directory {str(directory)!r}: every "
+            "later read of that directory would take the export for a checkpoint and refuse "
+            f"it. Export under another name (e.g. {str(directory / 'model.pt')!r}) or into "
+            "another directory."
+        )
 
 
 def _safetensors_writer() -> Any:
