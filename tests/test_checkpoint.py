@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ddpctx import DistContext, RankZeroError, distributed
+from ddpctx import DistContext, distributed
 from ddpctx.checkpoint.files import atomic_save, training_state
 from ddpctx.utils.atomic import _FileSink
 from tests.helpers import REPO, checkpoint_names, child_env, patience, wait_for_files
@@ -43,15 +43,24 @@ def test_save_writes_once_and_every_rank_loads_it(dist_ctx: DistContext, tmp_pat
     assert list(tmp_path.glob(".*.tmp")) == []  # no temporary file left
 
 
+def the_same_on_every_rank(ctx: DistContext, error: BaseException) -> None:
+    """``error`` is one OSError on every rank: its type, errno, file name and message."""
+    assert isinstance(error, OSError)
+    mine = (type(error), error.errno, error.filename, str(error))
+    assert ctx.all_gather(mine) == [mine] * ctx.world_size
+
+
 @RANKS
-def test_a_failed_write_raises_on_every_rank(dist_ctx: DistContext, tmp_path: Path) -> None:
+def test_a_failed_write_raises_the_same_oserror_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    # Every rank's `except OSError:` runs: rank 1 got a RankZeroError (a RuntimeError).
     target = tmp_path / "missing-directory" / "state.pt"
-    if dist_ctx.rank == 0:
-        with pytest.raises(FileNotFoundError, match=r"does not exist\. Create it first"):
-            dist_ctx.save({"x": 1}, target)
-    else:
-        with pytest.raises(RankZeroError, match=r"rank 0 raised FileNotFoundError"):
-            dist_ctx.save({"x": 1}, target)
+    with pytest.raises(FileNotFoundError, match=r"does not exist\. Create it first") as caught:
+        dist_ctx.save({"x": 1}, target)
+    assert str(target) in str(caught.value)
+    the_same_on_every_rank(dist_ctx, caught.value)
+    dist_ctx.barrier()  # nobody is left waiting: the group still works
 
 
 def dead_pid() -> int:
@@ -178,14 +187,31 @@ def test_a_full_disk_on_rank_zero_is_named_on_every_rank(
     dist_ctx: DistContext, tmp_path: Path
 ) -> None:
     real_write = os.write
+    model = dist_ctx.wrap(Net())
     if dist_ctx.rank == 0:  # in the rank itself (a fixture's monkeypatch is not undone there)
         os.write = fill_disk_after(100)
     try:
-        expected = OSError if dist_ctx.rank == 0 else RankZeroError
-        with pytest.raises(expected, match=r"no space left on device while saving"):
-            dist_ctx.save_checkpoint(tmp_path, model=Net(), epoch=0)
+        with pytest.raises(OSError, match=r"no space left on device while saving") as caught:
+            dist_ctx.save_checkpoint(tmp_path, model=model, epoch=0)
     finally:
         os.write = real_write
+    assert caught.value.errno == errno.ENOSPC
+    the_same_on_every_rank(dist_ctx, caught.value)
+
+
+@RANKS
+def test_a_checkpoint_directory_that_cannot_be_made_is_the_same_oserror_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    directory = tmp_path / "a-file" / "checkpoints"
+    with pytest.raises(NotADirectoryError) as caught:
+        dist_ctx.save_checkpoint(directory, model=dist_ctx.wrap(Net()), epoch=0)
+    assert caught.value.errno == errno.ENOTDIR
+    assert "a-file" in str(caught.value)
+    the_same_on_every_rank(dist_ctx, caught.value)
+    if dist_ctx.rank:
+        assert any("raised on rank 0" in note for note in caught.value.__notes__)
 
 
 def test_saved_files_follow_the_process_umask(tmp_path: Path) -> None:

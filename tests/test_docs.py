@@ -333,6 +333,28 @@ def test_the_readme_example_stopped_mid_epoch_logs_the_same_steps_once_resumed(
 
 
 @pytest.mark.slow
+def test_the_readme_example_stopped_after_an_epochs_last_batch_names_the_next_batch_read(
+    tmp_path: Path, examples: Callable[[str], Any]
+) -> None:
+    # A mid-epoch checkpoint at the loader's end (step 16 of 16): the log said "resuming at
+    # epoch 0, batch 17 of 16"; the next batch read is epoch 1's first.
+    ((where, code),) = [
+        (where, code) for where, code in BLOCKS if 'ctx.load_checkpoint("runs/together"' in code
+    ]
+    save = '                )\n        log(f"epoch {epoch}: validation'
+    stop = "                )\n                if step == 16:\n                    os._exit(3)\n"
+    killed = "import os\n" + code.replace(save, stop + save[18:])
+
+    whole = examples(where)
+    first = run_example(killed, tmp_path / "resumed")
+    second = run_example(code, tmp_path / "resumed")
+    assert (whole.returncode, first.returncode, second.returncode) == (0, 3, 0), second.stderr
+    lines = whole.stdout.splitlines()
+    assert first.stdout.splitlines() == lines[:4]  # stopped after epoch 0's last batch
+    assert second.stdout.splitlines() == ["resuming at epoch 1, batch 1 of 16", *lines[4:]]
+
+
+@pytest.mark.slow
 def test_the_first_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(BLOCKS[0][1])

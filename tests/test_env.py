@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import timedelta
 
@@ -373,18 +374,19 @@ def test_following_the_stale_variables_advice_to_make_them_agree_gives_a_launch(
             id="srun-one-torchrun-per-node",
         ),
         pytest.param(
-            {**SLURM_STEP, **STALE, "TORCHELASTIC_RUN_ID": "job"}, id="torchrun-world-1-in-srun"
-        ),
-        pytest.param(
             {**SLURM_STEP, **TORCHRUN, "RANK": "5", "WORLD_SIZE": "8"}, id="copied-from-slurm"
         ),
         pytest.param(
+            # An unmarked per-node launcher says how many ranks it runs per node: without
+            # LOCAL_WORLD_SIZE, task 0's RANK=0 WORLD_SIZE=4 is also a stale copy's.
             {**SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "RANK": "3"}
-            | {"WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+            | {"WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+            | {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
             id="per-node-launcher-without-torchrun-markers",
         ),
         pytest.param(
             {**SLURM_STEP, "RANK": "1", "WORLD_SIZE": "2", "DDPCTX_LAUNCHER": "launch"}
+            | {"DDPCTX_LAUNCHER_PID": str(os.getpid())}
             | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
             id="ddpctx-launch-inside-srun",
         ),
@@ -396,7 +398,7 @@ def test_following_the_stale_variables_advice_to_make_them_agree_gives_a_launch(
     ],
 )
 def test_launchers_that_really_combine_keep_working(environ: dict[str, str]) -> None:
-    info = detect_launch(environ)
+    info = detect_launch(environ, pid=os.getpid())
     assert (info.rank, info.world_size) == (int(environ["RANK"]), int(environ["WORLD_SIZE"]))
 
 
@@ -445,3 +447,94 @@ def test_stale_single_process_variables_stop_every_task_of_a_larger_job(
         environ = {"OMPI_COMM_WORLD_RANK": str(task), "OMPI_COMM_WORLD_SIZE": str(tasks)}
     with pytest.raises(ValueError, match="disagree with"):
         detect_launch({**environ, **STALE})
+
+
+def _task_environ(launcher: str, task: int, tasks: int) -> dict[str, str]:
+    if launcher == "slurm":
+        return {"SLURM_PROCID": str(task), "SLURM_NTASKS": str(tasks), "SLURM_STEP_ID": "0"}
+    return {"OMPI_COMM_WORLD_RANK": str(task), "OMPI_COMM_WORLD_SIZE": str(tasks)}
+
+
+#: Leftovers next to stale RANK/WORLD_SIZE: none, a torchrun rank's marks, a launch rank's.
+LEFTOVER_MARKS = {
+    "none": {},
+    "torchrun": {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"},
+    "launch": {"DDPCTX_LAUNCHER": "launch", "DDPCTX_LAUNCHER_PID": "1"},
+}
+
+
+def _accepting_tasks(tasks: int, launcher: str, stale: dict[str, str]) -> list[int]:
+    """The tasks of a ``tasks``-task job, all given ``stale``, that would start training."""
+    accepted, messages = [], []
+    for task in range(tasks):
+        try:
+            detect_launch({**_task_environ(launcher, task, tasks), **stale}, pid=os.getpid())
+        except ValueError as error:
+            messages.append(str(error))
+        else:
+            accepted.append(task)
+    names = f"RANK={stale['RANK']!r} WORLD_SIZE={stale['WORLD_SIZE']!r}"
+    assert all("disagree with" in message and names in message for message in messages)
+    return accepted
+
+
+@given(
+    tasks=st.integers(2, 12),
+    world=st.integers(1, 40),
+    data=st.data(),
+    marks=st.sampled_from(sorted(LEFTOVER_MARKS)),
+    launcher=st.sampled_from(["slurm", "mpi"]),
+)
+def test_stale_variables_stop_every_task_they_do_not_describe(
+    tasks: int, world: int, data: st.DataObject, marks: str, launcher: str
+) -> None:
+    """The same stale RANK/WORLD_SIZE on every task of a job (what a stale copy is).
+
+    Unmarked (or with a launch marker from another process), at most the one task they
+    happen to describe starts; under leftover torchrun marks (a single-node world, as
+    no LOCAL_WORLD_SIZE says otherwise) every task stops.
+    """
+    rank = data.draw(st.integers(0, world - 1))
+    stale = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "10.0.0.1"}
+    stale |= {"MASTER_PORT": "29500", **LEFTOVER_MARKS[marks]}
+    accepted = _accepting_tasks(tasks, launcher, stale)
+    if marks == "torchrun":
+        assert accepted == []
+    else:
+        assert accepted == ([rank] if world == tasks else [])
+
+
+@pytest.mark.parametrize("marks", sorted(LEFTOVER_MARKS))
+@pytest.mark.parametrize("launcher", ["slurm", "mpi"])
+def test_a_stale_rank_0_of_1_with_leftover_marks_stops_both_tasks_of_a_two_task_job(
+    marks: str, launcher: str
+) -> None:
+    stale = {**STALE, **LEFTOVER_MARKS[marks]}
+    assert _accepting_tasks(2, launcher, stale) == []
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "mpi"])
+def test_a_stale_world_of_4_stops_both_tasks_of_a_two_task_job(launcher: str) -> None:
+    stale = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert _accepting_tasks(2, launcher, stale) == []
+
+
+def test_a_copied_single_node_torchrun_stops_every_task_by_its_agent_count() -> None:
+    """A whole single-node torchrun rank's environment (4 ranks, 1 agent) in a 2-task job."""
+    stale = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}
+    stale |= {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    stale |= {"MASTER_PORT": "29500", **LEFTOVER_MARKS["torchrun"]}
+    assert _accepting_tasks(2, "slurm", stale) == []
+    with pytest.raises(ValueError, match=r"The launcher marks here .*TORCHELASTIC_RUN_ID='none'"):
+        detect_launch({**_task_environ("slurm", 0, 2), **stale})
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_launch_made_for_this_process_is_trusted_inside_a_larger_job(world: int) -> None:
+    """``launch(fn, world_size=...)`` called inside an srun task: its own local world."""
+    environ = {**_task_environ("slurm", 5, 8), "RANK": "0", "WORLD_SIZE": str(world)}
+    environ |= {"DDPCTX_LAUNCHER": "launch", "DDPCTX_LAUNCHER_PID": str(os.getpid())}
+    environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert detect_launch(environ, pid=os.getpid()).world_size == world
+    with pytest.raises(ValueError, match="DDPCTX_LAUNCHER='launch'"):
+        detect_launch(environ, pid=os.getpid() + 1)  # the same variables in another process

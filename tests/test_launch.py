@@ -514,6 +514,51 @@ def test_a_failure_leaves_no_process_a_rank_started_and_runs_its_finally(tmp_pat
     assert (tmp_path / "finally-ran").exists(), "the rank's finally block did not run"
 
 
+def start_a_helper_in_its_own_session(fail_on: int | None) -> int:
+    """Start ``sleep 600`` as a session leader (out of the rank's process group); its pid."""
+    helper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    rank = ddpctx.current().rank
+    if rank == fail_on:
+        ddpctx.current().barrier()  # the other rank has started its helper too
+        raise ValueError(f"rank {rank} fails while its helper {helper.pid} runs")
+    if fail_on is not None:
+        ddpctx.current().barrier()
+        time.sleep(600)  # stopped by the failure
+    return helper.pid
+
+
+def live(pids: list[int], grace: float = 5) -> list[int]:
+    """Those of ``pids`` still running (a zombie is not) after up to ``grace`` seconds."""
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + patience(grace)
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if running(pid)]
+
+
+def test_a_helper_a_rank_started_in_its_own_session_does_not_outlive_launch() -> None:
+    helpers = launch(start_a_helper_in_its_own_session, None, world_size=2, timeout=60)
+    try:
+        assert live(helpers) == [], "a helper with start_new_session=True outlived launch()"
+    finally:
+        for pid in helpers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_helper_in_its_own_session_does_not_outlive_a_failed_launch() -> None:
+    with pytest.raises(RankError, match=r"rank 1 failed: ValueError") as caught:
+        launch(start_a_helper_in_its_own_session, 1, world_size=2, timeout=60)
+    helper = int(str(caught.value.original).split("its helper ")[1].split()[0])
+    assert live([helper]) == [], "a failed rank's start_new_session helper outlived launch()"
+
+
 def test_launch_prints_all_of_a_long_output(capsys: pytest.CaptureFixture[str]) -> None:
     def chatty() -> None:
         for line in range(3000):

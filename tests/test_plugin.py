@@ -397,6 +397,33 @@ CASES: dict[str, str] = {
                 assert (ctx.world_size, ctx.launcher) == (3, "launch")
                 assert ctx.all_reduce(1.0, op="sum") == 3.0
         """,
+    "test_init_false_leak": """
+        import pytest
+        import ddpctx
+
+        @pytest.mark.distributed(world_size=2, init=False)
+        def test_1_leaves_distributed_entered():
+            ddpctx.distributed().__enter__()
+
+        @pytest.mark.distributed(world_size=2, init=False)
+        def test_2_enters_its_own_block():
+            with ddpctx.distributed() as ctx:
+                assert ctx.all_reduce(1.0, op="sum") == 2.0
+
+        @pytest.mark.distributed(world_size=2)
+        def test_3_uses_the_fixture(dist_ctx):
+            assert dist_ctx.all_reduce(1.0, op="sum") == 2.0
+
+        @pytest.mark.distributed(world_size=2, init=False)
+        def test_4_fails_with_its_block_left_open():
+            ddpctx.distributed().__enter__()
+            raise KeyError("its own error")
+
+        @pytest.mark.distributed(world_size=2, init=False)
+        def test_5_enters_its_own_block_again():
+            with ddpctx.distributed() as ctx:
+                assert ctx.world_size == 2
+        """,
     "test_positional": """
         import pytest
 
@@ -690,6 +717,19 @@ def test_dist_world_size_fixture_and_pytest_param_world_sizes(shared: Session) -
 @shared_case
 def test_init_false_gives_the_rendezvous_variables_and_no_group(shared: Session) -> None:
     shared.assert_outcomes("test_init_false", passed=2)
+
+
+@shared_case
+def test_an_init_false_test_leaving_distributed_entered_fails_itself_not_the_next(
+    shared: Session,
+) -> None:
+    shared.assert_outcomes("test_init_false_leak", passed=3, failed=2)
+    leaking = shared.section("test_1_leaves_distributed_entered")
+    assert "test_init_false_leak::test_1_leaves_distributed_entered left distributed() " in leaking
+    assert "with ddpctx.distributed() as ctx:" in leaking
+    failing = shared.section("test_4_fails_with_its_block_left_open")
+    assert "KeyError: 'its own error'" in failing  # its own error, not the leak
+    assert "already active" not in shared.stdout
 
 
 @shared_case

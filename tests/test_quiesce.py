@@ -16,11 +16,13 @@ import os
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddpctx.session import quiesce
 from ddpctx.session.quiesce import WORKER_NAME, quiesce_gloo_workers, worker_states
 
 STATES = st.sampled_from(["R", "S", "D", "I", "T", "Z"])
@@ -38,16 +40,29 @@ def fake_tasks(root: Path, threads: list[tuple[str, str]]) -> Path:
     return root
 
 
+#: Seconds each read of the fake /proc takes: none, and more than a short wait's whole
+#: timeout, as a loaded machine made it once (the quick tier's timeout of 0.02 s failed).
+READ_DELAYS = st.sampled_from([0.0, 0.03])
+
+
 @settings(max_examples=40, deadline=None)
-@given(threads=st.lists(st.tuples(NAMES, STATES), max_size=8))
+@given(threads=st.lists(st.tuples(NAMES, STATES), max_size=8), read_delay=READ_DELAYS)
 def test_only_gloo_workers_are_read_and_busy_ones_are_waited_for(
-    tmp_path_factory: pytest.TempPathFactory, threads: list[tuple[str, str]]
+    tmp_path_factory: pytest.TempPathFactory, threads: list[tuple[str, str]], read_delay: float
 ) -> None:
     tasks = fake_tasks(tmp_path_factory.mktemp("task"), threads)
     expected = [state for name, state in threads if name == WORKER_NAME]
     assert sorted(worker_states(tasks)) == sorted(expected)
     busy = any(state in ("R", "D") for state in expected)
-    assert quiesce_gloo_workers(timeout_s=0.02, tasks=tasks) is not busy
+
+    def slow_read(folder: Path) -> list[str]:
+        time.sleep(read_delay)
+        return worker_states(folder)
+
+    # Busy workers never calm down here, so the wait ends by its timeout: a short one. Calm
+    # ones end it after a few reads, however slow: a timeout no loaded machine reaches.
+    with mock.patch.object(quiesce, "worker_states", slow_read):
+        assert quiesce_gloo_workers(timeout_s=0.02 if busy else 60.0, tasks=tasks) is not busy
 
 
 @pytest.mark.parametrize("line", ["", "12 (pt_gloo", "12 (pt_gloo_runloop)", "12 (x) "])

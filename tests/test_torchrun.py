@@ -200,6 +200,61 @@ def test_a_peer_that_left_its_block_is_named_under_a_plain_env_launch() -> None:
     assert "ddpctx: rank 1 had already left distributed() (finished its block)" in err0, err0
 
 
+#: A training script's opening: it must stop before any rendezvous, naming both launchers.
+ENTER = (
+    "from ddpctx import distributed\nwith distributed() as ctx:\n    print('TRAINING', ctx.rank)"
+)
+
+
+@pytest.mark.parametrize(
+    ("job", "stale"),
+    [
+        pytest.param("srun", {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "none"}),
+        pytest.param("mpirun", {"RANK": "0", "WORLD_SIZE": "4"}, id="mpirun-world-4"),
+        pytest.param("srun", {"RANK": "0", "WORLD_SIZE": "1", "DDPCTX_LAUNCHER": "launch"}),
+    ],
+    ids=["srun-torchrun-leftover", "mpirun-world-4", "srun-launch-leftover"],
+)
+def test_stale_launcher_variables_stop_both_tasks_of_a_two_task_job_at_once(
+    job: str, stale: dict[str, str]
+) -> None:
+    """Two plain ``python`` processes, as srun/mpirun would start them, with stale env://."""
+    port = str(free_port())
+    tasks = []
+    for task in range(2):
+        if job == "srun":
+            own = {"SLURM_PROCID": str(task), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}
+            own |= {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost"}
+        else:
+            own = {"OMPI_COMM_WORLD_RANK": str(task), "OMPI_COMM_WORLD_SIZE": "2"}
+        environ = child_env(**own, **stale, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        if "DDPCTX_LAUNCHER" in stale:
+            environ["DDPCTX_LAUNCHER_PID"] = "1"  # copied from a launch rank long gone
+        environ["DDPCTX_TIMEOUT"] = "900"  # a wait for peers would outlast the test's bound
+        tasks.append(
+            subprocess.Popen(
+                [sys.executable, "-c", ENTER],
+                cwd=REPO,
+                env=environ,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outputs = [task.communicate(timeout=patience(90)) for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+            task.wait()
+    for task, (out, err) in zip(tasks, outputs, strict=True):
+        assert task.returncode != 0, out
+        assert "TRAINING" not in out
+        assert "disagree with" in err, err
+        assert f"RANK='0' WORLD_SIZE={stale['WORLD_SIZE']!r}" in err, err
+        assert "Unset them" in err, err
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from ddpctx import checkpoint_meta, current, distributed, load_weights
@@ -253,6 +255,40 @@ def test_a_damaged_newest_checkpoint_falls_back_as_load_checkpoint_does(
     assert "trying an older checkpoint" not in str(refused.value)
 
 
+@pytest.mark.filterwarnings("ignore:skipping:RuntimeWarning")
+@pytest.mark.parametrize("missing", ["ddpctx.pt", ".metadata"])
+def test_one_sharded_checkpoint_missing_a_file_is_refused_naming_that_file(
+    run_distributed: Any, tmp_path: Path, missing: str
+) -> None:
+    # It was a NotADirectoryError naming load_checkpoint and asking for a directory.
+    run_distributed(two_saves, str(tmp_path), "shard", world_size=2)
+    newest = max(tmp_path.glob("checkpoint-*.dcp"))
+    (newest / missing).unlink()
+    for read in (load_weights, lambda c: export_checkpoint(c, tmp_path / "out.pt")):
+        with pytest.raises(RuntimeError) as refused:
+            read(newest)
+        said = str(refused.value)
+        assert f"{str(newest)!r} cannot be read: {str(newest)!r}: it lacks " in said, said
+        assert ("lacks ddpctx.pt" if missing == "ddpctx.pt" else "lacks DCP's .metadata") in said
+        assert "load_checkpoint" not in said
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.filterwarnings("ignore:skipping:RuntimeWarning")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_directory_where_no_checkpoint_loads_is_said_one_way_for_files_and_folders(
+    run_distributed: Any, tmp_path: Path, mode: str
+) -> None:
+    run_distributed(two_saves, str(tmp_path), mode, world_size=2)
+    for checkpoint in tmp_path.glob("checkpoint-*[tp]"):  # .pt and .dcp, not .sums
+        damage(checkpoint, "corrupt")
+    with pytest.raises(RuntimeError) as refused:
+        load_weights(tmp_path)
+    said = str(refused.value)
+    assert "and none of them loads (each is torn or damaged: see the warnings)." in said, said
+    assert "Refusing to start over silently" in said
+
+
 def test_a_directory_without_checkpoints_has_no_meta_and_no_weights(tmp_path: Path) -> None:
     assert checkpoint_meta(tmp_path) is None
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
@@ -330,6 +366,64 @@ def test_meta_that_json_cannot_hold_is_refused_for_safetensors_naming_the_fix(
         export_checkpoint(tmp_path, tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
     assert cli(["export", str(tmp_path / "none"), str(tmp_path / "x.pt")]) == 1
+
+
+def test_meta_refused_for_safetensors_is_named_by_its_key(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    with distributed() as ctx:
+        model = ctx.wrap(nn.Linear(2, 1))
+        ctx.save_checkpoint(tmp_path, model=model, lr=0.1, scale=torch.tensor(3.04))
+    with pytest.raises(TypeError, match=r"^meta\['scale'\] is a Tensor \(tensor\(3\.04"):
+        export_checkpoint(tmp_path, tmp_path / "out.safetensors")
+
+
+@pytest.mark.parametrize("name", ["checkpoint-000009.pt", "checkpoint-000009-final.safetensors"])
+def test_an_export_named_like_a_checkpoint_into_the_checkpoint_directory_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    # Written, it made every later read of the directory refuse it as no checkpoint.
+    with distributed() as ctx:
+        ctx.save_checkpoint(tmp_path, model=ctx.wrap(nn.Linear(2, 1)), lr=0.1)
+    with pytest.raises(ValueError, match=r"named like a checkpoint .*Export under another name"):
+        export_checkpoint(tmp_path, tmp_path / name)
+    assert not (tmp_path / name).exists()
+    assert checkpoint_meta(tmp_path) == {"lr": 0.1}
+    assert export_checkpoint(tmp_path, tmp_path / "model.pt") == tmp_path / "model.pt"
+    assert sorted(load_weights(tmp_path)) == ["bias", "weight"]  # beside a model.pt export
+    assert cli(["export", str(tmp_path), str(tmp_path / "checkpoint-000010.pt")]) == 1
+
+
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5))
+JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=12,
+)
+
+
+@given(meta=st.dictionaries(st.text(max_size=4), JSON, min_size=1), data=st.data())
+def test_the_key_path_of_the_value_json_cannot_hold_is_named(
+    meta: dict[str, Any], data: st.DataObject
+) -> None:
+    from ddpctx.checkpoint.export import _json_meta
+
+    assert json.loads(_json_meta(meta)) == meta  # all JSON: written as it is
+    where, container, key = "meta", meta, data.draw(st.sampled_from(sorted(meta)))
+    while True:  # walk down to a random place and put a tensor there
+        where += f"[{key!r}]"
+        inner = container[key]
+        if not (isinstance(inner, (dict, list)) and inner) or data.draw(st.booleans()):
+            break
+        container, key = (
+            inner,
+            data.draw(
+                st.sampled_from(sorted(inner) if isinstance(inner, dict) else range(len(inner)))
+            ),
+        )
+    container[key] = torch.tensor(3.04)
+    with pytest.raises(TypeError) as refused:
+        _json_meta(meta)
+    assert str(refused.value).startswith(f"{where} is a Tensor (tensor(3.0400)"), refused.value
 
 
 def save_big(folder: str, mode: str) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ddpctx.checkpoint.files import ANY_NAME
 from ddpctx.checkpoint.weights import load_weights, meta_of, resolve
 from ddpctx.utils.atomic import atomic_save, temporary_name
 
@@ -57,6 +58,7 @@ def export_checkpoint(
             f"{str(checkpoint)!r} holds no checkpoint to export. Pass the directory given to "
             "ctx.save_checkpoint after a save, or one checkpoint in it."
         )
+    _refuse_a_checkpoint_name(target, chosen.parent)
     weights, meta = load_weights(chosen), meta_of(chosen)
     target.parent.mkdir(parents=True, exist_ok=True)
     if save_file is None:
@@ -76,6 +78,22 @@ def export_checkpoint(
     finally:
         temporary.unlink(missing_ok=True)
     return target
+
+
+def _refuse_a_checkpoint_name(target: Path, directory: Path) -> None:
+    """An export named like a checkpoint, in the checkpoints' directory, is refused.
+
+    Every later read of the directory (``load_checkpoint``, ``load_weights``,
+    a resume) would take it for a checkpoint and refuse it, as it is none.
+    """
+    if ANY_NAME.match(target.name) and target.parent.resolve() == directory.resolve():
+        raise ValueError(
+            f"export destination {str(target)!r} is named like a checkpoint "
+            f"(checkpoint-NNNNNN...) inside the checkpoint directory {str(directory)!r}: every "
+            "later read of that directory would take the export for a checkpoint and refuse "
+            f"it. Export under another name (e.g. {str(directory / 'model.pt')!r}) or into "
+            "another directory."
+        )
 
 
 def _safetensors_writer() -> Any:
@@ -109,12 +127,35 @@ def unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+_JSON_LEAVES = (str, int, float, bool, type(None))
+
+
+def _not_json(value: Any, where: str) -> tuple[str, Any] | None:
+    """The key path (``meta['opt']['betas'][1]``) and value of the first thing JSON cannot hold."""
+    if isinstance(value, _JSON_LEAVES):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, _JSON_LEAVES):
+                return f"a key of {where}", key
+            if found := _not_json(item, f"{where}[{key!r}]"):
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            if found := _not_json(item, f"{where}[{index}]"):
+                return found
+        return None
+    return where, value
+
+
 def _json_meta(meta: dict[str, Any]) -> str:
-    def refuse(value: Any) -> Any:
+    found = _not_json(meta, "meta")
+    if found is not None:
+        where, value = found
         raise TypeError(
-            f"the meta holds a {type(value).__name__} ({value!r:.60}), which a safetensors "
+            f"{where} is a {type(value).__name__} ({value!r:.60}), which a safetensors "
             "file's metadata (JSON strings) cannot hold. Export to a .pt file instead (it keeps "
             "every meta value), or save that value as a number, string or list."
         )
-
-    return json.dumps(meta, default=refuse)
+    return json.dumps(meta)

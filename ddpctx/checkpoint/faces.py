@@ -18,9 +18,9 @@ from torch import nn
 from ddpctx.checkpoint import resume, sharded
 from ddpctx.checkpoint.files import load_file
 from ddpctx.checkpoint.pending import Pending
+from ddpctx.checkpoint.writefailures import written_by_rank_zero
 from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook
-from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
 
@@ -64,14 +64,16 @@ class CheckpointFaces:
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """Rank 0 writes ``obj`` atomically (temporary file, fsync, rename); every rank waits.
 
-        A failed write raises on every rank (:class:`~ddpctx.RankZeroError` on the others).
+        A failed write raises on every rank: an ``OSError`` (a full disk, a
+        read-only or missing directory) as the same ``OSError`` everywhere,
+        anything else as :class:`~ddpctx.RankZeroError` on the others.
 
         >>> from ddpctx import distributed
         >>> import tempfile, os
         >>> with distributed() as ctx:
         ...     ctx.save({"step": 1}, os.path.join(tempfile.mkdtemp(), "state.pt"))
         """
-        on_rank_zero(self._place(), lambda: atomic_save(obj, Path(path)), broadcast=False)
+        written_by_rank_zero(self._place(), lambda: atomic_save(obj, Path(path)))
 
     def load(self, path: str | os.PathLike[str], weights_only: bool = True) -> Any:
         """Load ``path`` on every rank, tensors mapped to :attr:`device`.

@@ -54,6 +54,7 @@ from ddpctx.checkpoint.files import (
 from ddpctx.checkpoint.meta import plain_meta
 from ddpctx.checkpoint.schedules import check_scheduler
 from ddpctx.checkpoint.sums import sidecar, write_manifest
+from ddpctx.checkpoint.writefailures import written_by_rank_zero
 from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook, saved_loaders
 from ddpctx.parallel.buckets import bucket_layout, install_bucket_layout
@@ -164,8 +165,7 @@ def save(
         seen[directory] = path.name
         return path
 
-    _, path = on_rank_zero(place, write, broadcast=True)
-    return Path(path)
+    return Path(written_by_rank_zero(place, write))  # an OSError is raised on every rank
 
 
 def derived_seed(base_seed: int, rank: int, step: int, world_size: int) -> int:

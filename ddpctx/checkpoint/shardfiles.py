@@ -64,10 +64,12 @@ def complete(path: Path) -> bool:
 
     The checksums are verified before anything in it is unpickled.
     """
-    if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
+    missing = [name for name in (STATE_FILE, ".metadata") if not (path / name).is_file()]
+    if missing:
+        names = " and ".join(f"DCP's {n}" if n == ".metadata" else n for n in missing)
         warn_user(
-            f"skipping {str(path)!r}: it lacks {STATE_FILE} or DCP's .metadata (incomplete, or "
-            "altered after it was written); trying an older checkpoint.",
+            f"skipping {str(path)!r}: it lacks {names} (incomplete, or altered after it was "
+            "written); trying an older checkpoint.",
             RuntimeWarning,
         )
         return False
@@ -138,9 +140,9 @@ def newest_checkpoint_dir(directory: Path) -> Path | None:
     if found:
         raise RuntimeError(
             f"{str(directory)!r} holds {len(found)} sharded checkpoint(s) "
-            f"({', '.join(p.name for p in found[:5])}) and none of them is complete. Refusing "
-            "to start over silently: restore a good checkpoint, or move the directory away "
-            "to start a new run."
+            f"({', '.join(p.name for p in found[:5])}) and none of them loads (each is torn or "
+            "damaged: see the warnings). Refusing to start over silently: restore a good "
+            "checkpoint, or move the directory away to start a new run."
         )
     files = checkpoint_paths(directory)
     if files:

@@ -82,7 +82,9 @@ def resolve(path: str | os.PathLike[str]) -> Path | None:
         if where.suffix in (".pt", ".dcp"):
             raise FileNotFoundError(f"{str(where)!r} does not exist. Check the path.")
         return None  # a run's first start: no directory yet, as load_checkpoint sees it
-    one_sharded = where.is_dir() and (where / STATE_FILE).exists() and ANY_NAME.match(where.name)
+    # A checkpoint-NNNNNN*.dcp folder is one sharded checkpoint, also with a file missing
+    # (said below, by name), never the directory of checkpoints load_checkpoint takes.
+    one_sharded = where.is_dir() and where.suffix == ".dcp" and ANY_NAME.match(where.name)
     if where.is_dir() and not one_sharded:
         return chosen_checkpoint(where)
     if not ANY_NAME.match(where.name):
@@ -103,7 +105,7 @@ def resolve(path: str | os.PathLike[str]) -> Path | None:
             warn_user(warning.message, RuntimeWarning)
     if not good:
         said = "; ".join(str(w.message) for w in caught) or "it does not load"
-        said = said.replace("; trying an older checkpoint", "")  # none is: it was named
+        said = said.replace("; trying an older checkpoint", "").rstrip(".")  # it was named
         raise RuntimeError(
             f"{str(where)!r} cannot be read: {said.replace('skipping ', '', 1)}. Name an older "
             "checkpoint, or pass the directory to use the newest one that loads."

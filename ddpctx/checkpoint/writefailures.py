@@ -17,6 +17,13 @@ it into what a single-file checkpoint raises:
 Anything but DCP's ``CheckpointException`` (``KeyboardInterrupt``, a plain
 error) is not this module's to convert.
 
+A write that rank 0 makes alone (a DDP checkpoint, ``ctx.save``) goes through
+:func:`written_by_rank_zero`: an ``OSError`` there is raised on **every** rank
+as the same ``OSError`` (its type, errno, file name and message), so the
+documented ``except OSError:`` fallback runs on every rank alike, as it does
+for a sharded write; the other ranks' copy says it was raised on rank 0.
+Any other failure reaches the others as :class:`~ddpctx.RankZeroError`.
+
 Example:
     >>> error = as_os_error(OSError(28, "No space left on device"), Path("/d/c.dcp"), Path("/d/t"))
     >>> error.errno, "no space left on device while saving '/d/c.dcp'" in str(error)
@@ -26,7 +33,15 @@ Example:
 from __future__ import annotations
 
 import errno
+import pickle
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+from ddpctx.rankzero.outcome import on_rank_zero
+from ddpctx.utils.identity import Place
+
+T = TypeVar("T")
 
 _FULL = {
     errno.ENOSPC: "No space left on device",
@@ -103,3 +118,45 @@ def as_os_error(error: BaseException, final: Path, temporary: Path) -> Exception
     if os_errors and isinstance(os_errors[0].errno, int):
         return OSError(os_errors[0].errno, message)
     return RuntimeError(message)
+
+
+def _portable(error: OSError) -> OSError:
+    """``error`` as the other ranks will raise it: a copy that unpickles to the same thing."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+        if type(copy) is type(error) and (copy.errno, str(copy)) == (error.errno, str(error)):
+            return copy
+    except Exception:
+        pass  # an OSError subclass that does not pickle: the builtin type it maps to
+    rebuilt = OSError(*error.args)
+    rebuilt.filename, rebuilt.filename2 = error.filename, error.filename2
+    return rebuilt
+
+
+def written_by_rank_zero(place: Place, work: Callable[[], T]) -> T:
+    """Run ``work`` on rank 0 while the others wait; every rank gets its value.
+
+    An ``OSError`` raised by ``work`` is raised on every rank: rank 0 raises its
+    own, the others a copy (same type, errno, file name and message) noting it
+    was raised on rank 0. Any other error is rank 0's own there and a
+    :class:`~ddpctx.RankZeroError` on the others.
+    """
+    failed: list[OSError] = []
+
+    def guarded() -> tuple[bool, Any]:
+        try:
+            return True, work()
+        except OSError as error:
+            failed.append(error)
+            return False, _portable(error)
+
+    _, (ok, value) = on_rank_zero(place, guarded, broadcast=True)
+    if failed:
+        raise failed[0]  # rank 0 (or a rank running alone): its own, with its traceback
+    if not ok:
+        value.add_note(
+            f"(raised on rank 0, which writes this file; rank {place.rank} raises the same "
+            "OSError so that every rank's `except OSError:` runs alike)"
+        )
+        raise value
+    return value  # type: ignore[no-any-return]

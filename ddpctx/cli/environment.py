@@ -53,7 +53,7 @@ def describe_environment() -> dict[str, Any]:
     }
     problems = option_problems(os.environ)
     try:
-        info = detect_launch(os.environ)
+        info = detect_launch(os.environ, pid=os.getpid())
         backend = resolve_backend(None, torch.cuda.is_available())
         index = resolve_device_index(
             info,

@@ -7,6 +7,7 @@
 - :mod:`~ddpctx.launching.poolstore`: the pool's loopback store, a key prefix per task.
 - :mod:`~ddpctx.launching.failures`: what a failed or hung task raises, and its hints.
 - :mod:`~ddpctx.launching.echo`: the ranks' output streamed as it comes (``pytest -s``).
+- :mod:`~ddpctx.launching.descendants`: what a rank started, also in a session of its own.
 - :mod:`~ddpctx.launching.preflight`: what is checked before any rank is forked.
 - :mod:`~ddpctx.launching.worker`: a forked rank's side: output capture, tasks.
 - :mod:`~ddpctx.launching.taskstate`: what one task changed in a reused rank, undone.

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpctx.launching.descendants import descendants, start_time
 from ddpctx.launching.echo import ECHO_INTERVAL_S, Echo
 from ddpctx.launching.failures import (
     RankError,
@@ -323,8 +324,12 @@ class RankPool:
         Idle workers are asked to stop; busy ones get SIGTERM (``distributed()``
         turns it into ``SystemExit``, so the rank's ``finally`` blocks run) and
         :data:`FINALLY_GRACE_S` to go. Then every worker's process group gets
-        SIGKILL: a rank's own subprocesses never outlive it.
+        SIGKILL: a rank's own subprocesses never outlive it. So do the
+        processes a rank started in a session of their own
+        (``start_new_session=True``, ``setsid``), which that SIGKILL misses: they
+        are found as the workers' descendants before the workers go.
         """
+        escaped = descendants([process.pid for process in self._processes])
         for conn in self._conns:
             with contextlib.suppress(Exception):
                 if self.healthy:
@@ -345,6 +350,10 @@ class RankPool:
             if process.is_alive():  # killed before it had a process group of its own
                 process.kill()
             process.join(5)
+        for pid, started in escaped:
+            if start_time(pid) == started:  # the same process, not a reused pid
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         for conn in self._conns:
             conn.close()
         self._conns, self._processes = [], []

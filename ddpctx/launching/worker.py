@@ -294,6 +294,8 @@ def _run_task(
                 LOCAL_WORLD_SIZE=str(world_size),
                 GROUP_RANK="0",
                 DDPCTX_LAUNCHER="launch",
+                # The marker holds in this process only: a copy elsewhere is stale.
+                DDPCTX_LAUNCHER_PID=str(os.getpid()),
             )
             try:
                 return Outcome(rank, "ok", value=_call(rank, world_size, task, stores))

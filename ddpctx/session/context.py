@@ -332,7 +332,7 @@ def _make_plan(
     if dist.is_initialized():
         info, resolved_backend = _adopted_launch(backend, environ)
     else:
-        info = detect_launch(environ)
+        info = detect_launch(environ, pid=os.getpid())
         resolved_backend = resolve_backend(backend, cuda_available)
     device_index = resolve_device_index(
         info,

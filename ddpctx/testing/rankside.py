@@ -7,7 +7,10 @@ ranks with the test function and its fixture values. Here, in the rank:
 - ``capsys`` / ``capfd`` become a :class:`RankCapture` that records what
   this rank prints (Python-level ``sys.stdout`` / ``sys.stderr``), while the
   output still reaches the rank's report and ``-s`` stream;
-- an ``async def`` body runs to completion on a new event loop.
+- an ``async def`` body runs to completion on a new event loop;
+- a ``distributed()`` block the body entered and never left is closed after
+  the test, and that test fails naming itself (the next test on the warm rank
+  would otherwise fail on "already active ... nesting").
 
 Example:
     >>> capture = RankCapture()
@@ -105,17 +108,46 @@ def call_test_body(test: Callable[..., Any], funcargs: dict[str, Any]) -> None:
 
     funcargs = dict(funcargs)
     capture = RankCapture()
+    before = current()
     if "dist_ctx" in funcargs:
-        funcargs["dist_ctx"] = current()
+        funcargs["dist_ctx"] = before
     captured = [name for name in CAPTURE_FIXTURES if name in funcargs]
     for name in captured:
         funcargs[name] = capture
-    with capture.installed() if captured else contextlib.nullcontext():
-        result = test(**funcargs)
-        if inspect.iscoroutine(result):
-            asyncio.run(result)
-        elif inspect.isasyncgen(result):
-            raise TypeError(
-                f"{test.__qualname__} is an async generator; a test must be a function or an "
-                "`async def` coroutine function."
-            )
+    try:
+        with capture.installed() if captured else contextlib.nullcontext():
+            result = test(**funcargs)
+            if inspect.iscoroutine(result):
+                asyncio.run(result)
+            elif inspect.isasyncgen(result):
+                raise TypeError(
+                    f"{test.__qualname__} is an async generator; a test must be a function or "
+                    "an `async def` coroutine function."
+                )
+    except BaseException:
+        _end_leaked_block(before)  # the test's own error is the one to report
+        raise
+    leaked = _end_leaked_block(before)
+    if leaked is not None:
+        raise RuntimeError(
+            f"{test.__module__}::{test.__qualname__} left distributed() entered "
+            f"({leaked!r}): the block was never exited, so the next test on this warm rank "
+            "would have found it active. ddpctx closed it (and its process group) after the "
+            "test. Use `with ddpctx.distributed() as ctx:` in the test body, or call the "
+            "session's __exit__ in a finally block."
+        )
+
+
+def _end_leaked_block(before: object) -> object | None:
+    """Close a ``distributed()`` block the test body entered and left open; return its context.
+
+    ``before`` is the block active when the body started (the plugin's own, or
+    None with ``init=False``): that one is not the test's to close.
+    """
+    from ddpctx.session.context import current
+
+    leaked = current()
+    if leaked is None or leaked is before:
+        return None
+    leaked._close()  # what leaving the block would have done: group, watchers, hooks
+    return leaked

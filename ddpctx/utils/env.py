@@ -26,8 +26,9 @@ Detection order (first match wins):
 
 Before the first rule is taken, env:// variables that disagree with an
 ``srun`` step's or Open MPI's are an error naming both sets
-(:mod:`ddpctx.utils.conflicts`): a stale ``RANK=0 WORLD_SIZE=1`` would
-otherwise make every task of the job rank 0 of 1.
+(:mod:`ddpctx.utils.conflicts`): a stale ``RANK=0 WORLD_SIZE=1`` (with or
+without a leftover torchrun or ddpctx marker) would otherwise make every task
+of the job rank 0 of 1.
 
 Example:
     >>> info = detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
@@ -138,16 +139,20 @@ def _check_ranks(
         )
 
 
-def detect_launch(environ: Mapping[str, str], rendezvous: bool = True) -> LaunchInfo:
+def detect_launch(
+    environ: Mapping[str, str], rendezvous: bool = True, pid: int | None = None
+) -> LaunchInfo:
     """Work out the launcher and this process's place in the job.
 
     Raises ``ValueError`` naming the variable, its value and the fix for any
     inconsistent or malformed value. ``rendezvous=False`` skips the checks of
     rank 0's address and of conflicting launchers, for a process group that
-    already exists (its own rank and size win).
+    already exists (its own rank and size win). ``pid`` is this process's id
+    (``os.getpid()``): ``ddpctx.launch``'s variables are trusted only in the
+    process they were set for.
     """
     if rendezvous:
-        check_launchers_agree(environ, LAUNCHER_VARIABLE)
+        check_launchers_agree(environ, LAUNCHER_VARIABLE, pid)
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return _detect_env(environ, rendezvous)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and _in_slurm_step(environ):
