@@ -2,6 +2,7 @@
 
 - :mod:`~ddpctx.watch.loggers`: where ``ctx.log`` writes (``jsonl``, ``csv``,
   ``tensorboard``, or an object with ``log_metrics``: :class:`Logger`).
+- :mod:`~ddpctx.watch.trackers`: ``mlflow`` and ``wandb``, the same run after a resume.
 - :mod:`~ddpctx.watch.trail`: steps on every rank, rank 0's writer thread,
   exactly-once across a kill and a resume.
 - :mod:`~ddpctx.watch.clock`: data / compute / collective time of every step.

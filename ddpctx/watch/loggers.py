@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ddpctx.utils.atomic import fsync_directory, temporary_name
+from ddpctx.watch.trackers import TRACKERS
 
 #: The names ``distributed(loggers=...)`` accepts for the built-in loggers.
-BUILT_IN = ("jsonl", "csv", "tensorboard")
+BUILT_IN = ("jsonl", "csv", "tensorboard", *TRACKERS)
 
 
 @runtime_checkable
@@ -264,6 +265,7 @@ def make_loggers(loggers: Sequence[object], log_dir: Path | None) -> list[Any]:
 
 
 _BUILT: dict[str, Any] = {"jsonl": JsonlLogger, "csv": CsvLogger, "tensorboard": TensorBoardLogger}
+_BUILT.update(TRACKERS)  # mlflow, wandb: ddpctx.watch.trackers
 
 
 def flat_metrics(values: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
