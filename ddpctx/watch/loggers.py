@@ -52,6 +52,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ddpctx.utils.atomic import temporary_name
 from ddpctx.watch.files import CsvLogger, FileLogger, JsonlLogger, Point, atomic_write_bytes
+from ddpctx.watch.trackers import TRACKERS
 
 __all__ = [
     "BUILT_IN",
@@ -65,7 +66,7 @@ __all__ = [
 ]
 
 #: The names ``distributed(loggers=...)`` accepts for the built-in loggers.
-BUILT_IN = ("jsonl", "csv", "tensorboard")
+BUILT_IN = ("jsonl", "csv", "tensorboard", *TRACKERS)
 #: How often TensorBoard's own writer puts its events on disk (seconds).
 TB_FLUSH_S = 5
 
@@ -190,6 +191,7 @@ def make_loggers(loggers: Sequence[object], log_dir: Path | None) -> list[Any]:
 
 
 _BUILT: dict[str, Any] = {"jsonl": JsonlLogger, "csv": CsvLogger, "tensorboard": TensorBoardLogger}
+_BUILT.update(TRACKERS)  # mlflow, wandb: ddpctx.watch.trackers
 
 
 def check_log_dir(log_dir: Path) -> str | None:
