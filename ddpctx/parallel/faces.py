@@ -33,7 +33,7 @@ from ddpctx.parallel.sharding import (
     sharding_of,
 )
 from ddpctx.parallel.shardstart import on_meta, start_like_rank0
-from ddpctx.parallel.wrapping import unwrap_model
+from ddpctx.parallel.wrapping import remember_wrapper, unwrap_model
 
 
 class ModelFaces:
@@ -76,6 +76,7 @@ class ModelFaces:
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         wrapped = DistributedDataParallel(model, **ddp_kwargs)
+        remember_wrapper(wrapped)  # its bare module saves and loads as the wrapper does
         self._precision.wrap_forward(wrapped)
         return wrapped
 
