@@ -191,11 +191,12 @@ class ModelFaces:
 
         def start() -> nn.Module:  # rank 0's weights reach every rank's shards
             placed = model if on_meta(model) else model.to(self.device)
+            prepared, mesh = self._precision.prepare(placed), self.mesh
             return start_like_rank0(
-                self._precision.prepare(placed),
+                prepared,
                 lambda bare: shard_model(
                     bare,
-                    self.mesh,
+                    mesh,
                     blocks=blocks,
                     min_params=min_params,
                     block_kwargs=block_kwargs,
