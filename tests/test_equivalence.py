@@ -27,6 +27,9 @@ What is asserted, cell by cell:
   ``IterableDataset``; they start and end as the map-style cells do, and a
   stream killed and resumed (0 and 2 workers, 2 and 3 ranks, ``ctx.wrap`` and
   ``ctx.shard``) ends bit-equal to the uninterrupted stream cell;
+- **the bare module**: a 3-rank ``ctx.wrap`` run that saves and loads
+  ``ctx.unwrap(model)`` (nanoGPT's ``raw_model``), killed and resumed, ends
+  bit-equal to the uninterrupted ``wrap:32`` cell;
 - **snapshots**: ``start`` is taken before training and must still hold the
   initial weights at the end, so a ``full_state_dict`` that returned a view
   of live parameters fails the start check;
@@ -187,6 +190,8 @@ def test_load_weights_of_every_cells_last_checkpoint_is_its_full_state_dict(
 # test_logging_every_step_changes_nothing_and_survives_the_kill, which asserts the same and more.
 KILLED = [
     pytest.param("wrap:32", 3, 2, False, id="wrap-3ranks-2workers"),
+    # nanoGPT's raw_model: the bare module saved and loaded, against the wrap:32 cell
+    pytest.param("wrap:32:raw", 3, 0, False, id="wrap-raw-model-3ranks"),
     pytest.param("wrap:bf16-mixed", 2, 0, False, id="wrap-bf16mixed-2ranks"),
     pytest.param("shard:32", 2, 2, True, id="shard-2ranks-async-2workers"),
     pytest.param("shard:bf16-mixed", 3, 0, True, id="shard-bf16mixed-3ranks-async"),
@@ -213,7 +218,7 @@ def test_a_killed_and_resumed_run_ends_bit_equal_to_an_uninterrupted_one(
     resumed = result_of(tmp_path, cell)
     assert resumed["restart_count"] == 1, "the run was not killed and restarted"
     assert 0 < resumed["resumed_step"] <= KILL_AFTER, "the restarted run did not resume"
-    whole = result_of(matrix[world_size], cell)
+    whole = result_of(matrix[world_size], cell.removesuffix(":raw"))
     uninterrupted = {name: value.double() for name, value in whole["final"].items()}
     assert bit_equal(resumed["final"], whole["final"]), (
         f"{cell} at {world_size} ranks, resumed from step {resumed['resumed_step']}, ends "

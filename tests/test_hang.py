@@ -55,6 +55,8 @@ def reports_in(output: str) -> list[list[str]]:
     """The lines of each hang report in ``output``, in order (rank prefixes removed)."""
     lines = [re.sub(r"^\[rank \d+\] ", "", line) for line in output.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith("ddpctx hang report:")]
+    if not starts:  # none: report_of says so, not zip()
+        return []
     return [lines[start:end] for start, end in zip(starts, [*starts[1:], len(lines)], strict=True)]
 
 

@@ -53,6 +53,32 @@ def test_a_rank_that_skips_the_forward_pass_leaves_the_others_in_fsdp2_all_gathe
     assert code == 0
 
 
+@pytest.mark.parametrize(
+    ("case", "call"),
+    [
+        ("full_state_dict", "ctx.full_state_dict()"),
+        ("clip", "ctx.clip_grad_norm_()"),
+    ],
+)
+@pytest.mark.slow  # a torchrun job and a real hang timeout
+def test_a_rank_waiting_in_a_sharded_models_gather_is_named_in_the_ddpctx_call(
+    case: str, call: str
+) -> None:
+    # Found in use: torch gathers a sharded model's weights (and reduces its gradient norm)
+    # through DTensor's functional collectives, which the trackers never saw, so the rank
+    # waiting there was reported as "not in any collective".
+    code, out, err = fsdp_case(case, 2)
+    report = report_of(err)
+    skipped = "SKIP-FULL-STATE-DICT" if case == "full_state_dict" else "SKIP-CLIP"
+    assert "not in a collective" in rank_line(report, 1)
+    assert site(skipped) in rank_line(report, 1)
+    assert f"waiting in {call}" in rank_line(report, 0)
+    assert site("FULL-STATE-DICT" if case == "full_state_dict" else "CLIP") in rank_line(report, 0)
+    assert any(line.startswith("diagnosis: rank 1 is not in any collective") for line in report)
+    assert code == 0
+    assert "JOB-DONE" in out
+
+
 LAZY_FSDP = """
 import sys
 from torch import nn

@@ -408,12 +408,16 @@ def test_rank_zero_work_without_collectives_nested_in_a_block_still_runs() -> No
 
 
 @pytest.mark.distributed(world_size=2, timeout=120)
+@pytest.mark.parametrize("how", ["plain", "ctx.shard"])
 def test_a_checkpoint_save_inside_a_rank_zero_block_is_refused_naming_the_users_call(
-    dist_ctx: DistContext, tmp_path: Path
+    dist_ctx: DistContext, tmp_path: Path, how: str
 ) -> None:
     # Found by attacking the fix: the refusal named ctx.all_gather(), which the user never
-    # wrote; it now also names the ddpctx function the user's line called.
+    # wrote (then "ctx.all_gather() ..., through save_checkpoint()"); it names the user's
+    # call itself, for a sharded model's save too.
     model = torch.nn.Linear(2, 2)
+    if how == "ctx.shard":
+        model = dist_ctx.shard(model)
 
     def save_in_block() -> None:
         with dist_ctx.rank_zero() as main:
@@ -422,6 +426,8 @@ def test_a_checkpoint_save_inside_a_rank_zero_block_is_refused_naming_the_users_
 
     expected = RuntimeError if dist_ctx.rank == 0 else RankZeroError
     error = refused_at_once(save_in_block, expected)
-    assert "inside a ctx.rank_zero() block" in str(error)
-    assert "in save_in_block, through save_checkpoint()" in str(error)
+    assert "ctx.save_checkpoint() was called inside a ctx.rank_zero() block (at " in str(error)
+    assert "test_refused_callers.py" in str(error)
+    assert " in save_in_block)" in str(error)  # the user's line, in the user's function
+    assert "all_gather" not in str(error)
     dist_ctx.save_checkpoint(tmp_path / "run", model=model)  # outside it, as usual

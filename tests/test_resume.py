@@ -153,25 +153,27 @@ def layered_run(
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    # nanoGPT's shape: the script keeps raw_model = model.module and checkpoints that
+    saved = ctx.unwrap(model) if variant == "raw-model" else model
     data = torch.Generator().manual_seed(ctx.rank)
     inputs = [torch.randn(5, 6, generator=data) for _ in range(6)]
     start = 0
     if save_at is None:
-        meta = ctx.load_checkpoint(folder, model=model, optimizer=optimizer)
+        meta = ctx.load_checkpoint(folder, model=saved, optimizer=optimizer)
         assert meta is not None
         start = meta["step"]
         if save_again:
-            ctx.save_checkpoint(folder, model=model, optimizer=optimizer, step=start)
+            ctx.save_checkpoint(folder, model=saved, optimizer=optimizer, step=start)
             return []
     elif save_at == 0:
-        ctx.save_checkpoint(folder, model=model, optimizer=optimizer, step=0)
+        ctx.save_checkpoint(folder, model=saved, optimizer=optimizer, step=0)
     for step in range(start, 6):
         loss = model(inputs[step]).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step + 1 == save_at:
-            ctx.save_checkpoint(folder, model=model, optimizer=optimizer, step=step + 1)
+            ctx.save_checkpoint(folder, model=saved, optimizer=optimizer, step=step + 1)
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -191,6 +193,8 @@ def layered_run(
         ("frozen-layer", 1),
         ("frozen-layer", 3),
         ("resumed-twice", 3),
+        ("raw-model", 1),  # the bare module saved before DDP rebuilt, and loaded
+        ("raw-model", 3),
     ],
 )
 def test_a_3_rank_ddp_resume_is_bit_identical_whatever_its_bucket_options(

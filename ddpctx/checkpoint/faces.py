@@ -3,6 +3,14 @@
 :class:`CheckpointFaces` is mixed into ``DistContext``; the work is in
 :mod:`ddpctx.checkpoint.resume` (a whole run) and :mod:`ddpctx.utils.atomic`
 (one file).
+
+``save_checkpoint``, ``load_checkpoint`` and ``finish_checkpoint`` (of a save
+in flight) concern every rank: each rank's random state, loader positions,
+replica or shards. Called where the other ranks cannot join (rank-zero-only
+work, another thread, a DataLoader worker) they are refused at once, naming the
+call (:mod:`ddpctx.reduce.guard`), on every rank through the rank-zero block's
+outcome: a load there restored rank 0 alone (its replica then left the others'),
+and a sharded one waited for the collective timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from ddpctx.checkpoint.pending import Pending
 from ddpctx.checkpoint.writefailures import written_by_rank_zero
 from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook
+from ddpctx.reduce.guard import check_caller
 from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
 
@@ -121,8 +130,10 @@ class CheckpointFaces:
         with the same promises;
         ``async_save=True`` writes it while training goes on and publishes it
         at the next save or load, :meth:`finish_checkpoint`, or the end of
-        the block (:mod:`ddpctx.checkpoint.pending`).
+        the block (:mod:`ddpctx.checkpoint.pending`). Every rank calls it, outside
+        rank-zero-only work (refused there, see the module docstring).
         """
+        check_caller("ctx.save_checkpoint()")
         self.finish_checkpoint()  # at most one save in flight
         directory = checkpoint_directory(directory, "save_checkpoint")
         if self._before_save is not None:
@@ -187,8 +198,11 @@ class CheckpointFaces:
         then a step-counted scheduler whose steps per epoch change is named
         (see :mod:`ddpctx.checkpoint.schedules`). A sharded checkpoint loads at
         any world size into a sharded or an unsharded model
-        (:mod:`ddpctx.checkpoint.sharded`).
+        (:mod:`ddpctx.checkpoint.sharded`). Every rank calls it, outside rank-zero-only
+        work (refused there; to read a checkpoint in one process, use
+        :func:`ddpctx.load_weights`).
         """
+        check_caller("ctx.load_checkpoint()")
         self.finish_checkpoint()
         sharded_read = sharded.reads_sharded(self._place(), Path(directory), model)
         reader = sharded.load if sharded_read else resume.load
@@ -222,6 +236,8 @@ class CheckpointFaces:
         ...     ctx.finish_checkpoint() is None
         True
         """
+        if self._pending.in_flight:
+            check_caller("ctx.finish_checkpoint()")
         return self._pending.finish(self._place())
 
     def _save_async(

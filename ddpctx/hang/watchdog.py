@@ -42,6 +42,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed.distributed_c10d as c10d
 
@@ -50,6 +51,8 @@ from ddpctx.hang.lockstep import Lockstep
 from ddpctx.hang.report import Exchange, RankState, format_report, snapshot
 from ddpctx.hang.settings import HangSettings
 from ddpctx.utils.errors import record_for_torchrun
+
+T = TypeVar("T")
 
 #: How often the watchdog wakes (at most once a second, by contract).
 TICK_S = 1.0
@@ -262,6 +265,8 @@ class Doctor:
 
     ``reports`` holds the reports this rank printed (rank 0 only); :meth:`stop`
     ends the thread and puts torch's functions back, and is safe to call twice.
+    :meth:`wait_in` covers ddpctx calls whose collectives torch makes out of the
+    trackers' sight.
     """
 
     def __init__(
@@ -271,10 +276,11 @@ class Doctor:
         self._watchdog: Watchdog | None = None
         #: What this rank's main thread waits in, and how many collectives it entered.
         self.tracker: Tracker | None = None
+        self._check: Lockstep | None = None
         if not settings.active and not track:  # track: the step timings read the tracker
             return
         tracker = self.tracker = Tracker()
-        check = Lockstep() if settings.debug else None
+        check = self._check = Lockstep() if settings.debug else None
         self._undo = install(tracker, check=check, cuda=cuda)
         if settings.hang_timeout > 0:
             try:
@@ -289,6 +295,37 @@ class Doctor:
                 )
             else:
                 self._watchdog.start()
+
+    def wait_in(self, what: str, call: Callable[[], T], *, checked: bool) -> T:
+        """``call()``, counted as one wait in ``what`` for its whole duration.
+
+        For ddpctx calls whose collectives the wrappers of
+        :mod:`ddpctx.hang.inflight` cannot see: a sharded model's DTensor
+        gathers and reductions go through torch's functional collectives, so a
+        rank waiting in one read as "not in a collective". Here it waits in
+        ``what`` (e.g. ``ctx.full_state_dict()``), named in the hang report
+        with its line; collectives it makes through ``torch.distributed`` count
+        as part of it. With ``checked`` (every rank of the default group makes
+        the call), debug mode checks it as one collective of that group, so a
+        rank that calls it alone fails at once on every rank instead of
+        pairing its gathers with another collective. A no-op wrapper off the
+        main thread, inside another tracked wait, or with the doctor off.
+        """
+        tracker = self.tracker
+        if tracker is None or tracker.op is not None:
+            return call()
+        if threading.get_ident() != threading.main_thread().ident:
+            return call()  # as the wrappers: other threads' collectives are not tracked
+        check = self._check if checked else None
+        caller = sys._getframe(1)
+
+        def checked_call() -> T:
+            if check is not None:
+                check(what, None, caller)
+            return call()
+
+        result: T = tracker.run(what, checked_call)
+        return result
 
     @property
     def reports(self) -> list[str]:

@@ -24,7 +24,11 @@ rebuild finds the same gradient-ready order and the same layout.
 
 The layout goes to the model given to ``load_checkpoint``: wrap before
 loading (``model = ctx.wrap(net)``, then ``load_checkpoint(model=model)``),
-as the README's examples do; a bare module loaded and wrapped afterwards
+as the README's examples do. The bare module of a ``ctx.wrap`` model
+(nanoGPT's ``raw_model = model.module``, or ``ctx.unwrap(model)``) counts as
+that model, in a save and in a load: :func:`find_ddp` finds the wrapper
+``ctx.wrap`` made around it (:func:`~ddpctx.parallel.wrapping.wrapper_of`). A
+bare module loaded and wrapped afterwards, or wrapped in a DDP made by hand,
 starts from DDP's initial layout.
 
 One case stays inexact: ``static_graph=True`` with a checkpoint saved after
@@ -61,6 +65,7 @@ import torch.distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpctx.parallel.wrapping import wrapper_of
 from ddpctx.utils.warn import warn_user
 
 #: The attribute that holds the layout a load installed, for a save before the next rebuild.
@@ -72,8 +77,12 @@ _c10d: Any = torch.distributed
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
-    """The DDP module in ``model`` (itself, or inside ``torch.compile``), or None."""
+    """The DDP module of ``model``, or None: ``model`` itself, one inside ``torch.compile``, or
+    the wrapper ``ctx.wrap`` made around ``model`` (the bare module a script keeps)."""
     while not isinstance(model, DistributedDataParallel):
+        made = wrapper_of(model)
+        if made is not None:
+            return made
         inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
             return None

@@ -5,6 +5,19 @@ sharding, the precision switch, clipping and gradient accumulation live in
 :mod:`ddpctx.parallel.wrapping`, :mod:`ddpctx.parallel.sharding`,
 :mod:`ddpctx.parallel.precision`, :mod:`ddpctx.parallel.clipping` and
 :mod:`ddpctx.parallel.accumulate`.
+
+The calls that are collectives -- ``ctx.wrap`` and ``ctx.shard`` (rank 0's
+weights go to every rank), and ``ctx.full_state_dict`` and ``ctx.clip_grad_norm_``
+of a sharded model (the shards are gathered, the norm reduced) -- go through
+the session's :attr:`ModelFaces._collective_call`: a caller no other rank can
+join (rank-zero-only work, another thread, a DataLoader worker) is refused at
+once, on every rank, naming the call (:mod:`ddpctx.reduce.guard`), where it
+would otherwise wait out the collective timeout. The hang doctor counts
+``full_state_dict`` and ``clip_grad_norm_`` of a sharded model as one wait
+each, since torch makes their gathers out of its sight
+(:meth:`ddpctx.hang.watchdog.Doctor.wait_in`); ``wrap`` and ``shard`` are not
+one wait (a big model takes minutes to start, which is no hang), their
+``torch.distributed`` collectives are tracked one by one.
 """
 
 from __future__ import annotations
@@ -12,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -27,13 +40,30 @@ from ddpctx.parallel.sharding import (
     DEFAULT_MIN_PARAMS,
     BlockPolicy,
     check_shardable,
+    dtensor_type,
     full_state_dict,
     refuse_flattening_optimizers,
     shard_model,
     sharding_of,
 )
 from ddpctx.parallel.shardstart import on_meta, start_like_rank0
-from ddpctx.parallel.wrapping import unwrap_model
+from ddpctx.parallel.wrapping import remember_wrapper, unwrap_model
+
+T = TypeVar("T")
+
+
+class CollectiveCall(Protocol):
+    """``(what, call, one_wait=..., everyone=...) -> call()``: a ddpctx call that is a
+    collective, guarded.
+
+    ``what`` names it (``"ctx.full_state_dict()"``); ``one_wait``: the hang
+    doctor counts the whole call as one wait in it; ``everyone``: every rank of
+    the default group makes it (not a subgroup's ranks alone).
+    """
+
+    def __call__(
+        self, what: str, call: Callable[[], T], *, one_wait: bool, everyone: bool
+    ) -> T: ...
 
 
 class ModelFaces:
@@ -48,6 +78,8 @@ class ModelFaces:
     _after_shard: Callable[[], None] | None = None
     #: Called with every model :meth:`wrap` and :meth:`shard` return (the session's step clock).
     _on_model: Callable[[nn.Module], None] | None = None
+    #: Runs the calls that are collectives (see the module docstring); set by the session.
+    _collective_call: CollectiveCall | None = None
     _scaler: torch.amp.GradScaler | None
 
     def wrap(self, model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
@@ -74,10 +106,16 @@ class ModelFaces:
                 "replicated (ctx.wrap) or sharded (ctx.shard), not both: use the sharded "
                 "model as it is, or pass ctx.wrap a model that was never sharded."
             )
-        model = self._precision.prepare(model.to(self.device))
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
-        wrapped = DistributedDataParallel(model, **ddp_kwargs)
+        wrapped = self._collective(
+            "ctx.wrap()",  # DDP broadcasts rank 0's weights
+            lambda: DistributedDataParallel(
+                self._precision.prepare(model.to(self.device)), **ddp_kwargs
+            ),
+            one_wait=False,
+        )
+        remember_wrapper(wrapped)  # its bare module saves and loads as the wrapper does
         self._precision.wrap_forward(wrapped)
         if self._on_model is not None:
             self._on_model(wrapped)
@@ -154,24 +192,28 @@ class ModelFaces:
             # batch norm's running statistics are float32 buffers: its weights must be too
             float32 = dataclasses.replace(policy, param_dtype=None, output_dtype=None)
             batch_norm_kwargs = {"mp_policy": float32}
-        model = self._precision.prepare(model if on_meta(model) else model.to(self.device))
-        mesh = self.mesh
-        sharded = start_like_rank0(
-            model,
-            lambda bare: shard_model(
-                bare,
-                mesh,
-                blocks=blocks,
-                min_params=min_params,
-                block_kwargs=block_kwargs,
-                batch_norm_kwargs=batch_norm_kwargs,
-                **fsdp_kwargs,
-            ),
-            rank=self.rank,
-            world_size=self.world_size,
-            device=self.device,
-            full_state_dict=full_state_dict,
-        )
+
+        def start() -> nn.Module:  # rank 0's weights reach every rank's shards
+            placed = model if on_meta(model) else model.to(self.device)
+            prepared, mesh = self._precision.prepare(placed), self.mesh
+            return start_like_rank0(
+                prepared,
+                lambda bare: shard_model(
+                    bare,
+                    mesh,
+                    blocks=blocks,
+                    min_params=min_params,
+                    block_kwargs=block_kwargs,
+                    batch_norm_kwargs=batch_norm_kwargs,
+                    **fsdp_kwargs,
+                ),
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+                full_state_dict=full_state_dict,
+            )
+
+        sharded = self._collective("ctx.shard()", start, one_wait=False)
         if self._after_shard is not None:
             self._after_shard()
         refuse_flattening_optimizers()
@@ -230,7 +272,15 @@ class ModelFaces:
         ...     ctx.clip_grad_norm_(model, max_norm=1.0)
         5.0
         """
-        return clip_grad_norm(model, max_norm, norm_type, error_if_nonfinite)
+
+        def clip() -> float:
+            return clip_grad_norm(model, max_norm, norm_type, error_if_nonfinite)
+
+        if sharding_of(model) is None:
+            return clip()  # DDP: every rank holds the whole gradient, nothing is sent
+        return self._collective(
+            "ctx.clip_grad_norm_()", clip, one_wait=True, everyone=self._spans_all(model)
+        )
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """A snapshot of the whole model's weights on rank 0, on CPU (an empty dict on other ranks).
@@ -245,7 +295,30 @@ class ModelFaces:
         ...     sorted(ctx.full_state_dict(ctx.shard(torch.nn.Linear(2, 1))))
         ['bias', 'weight']
         """
-        return full_state_dict(model, self.rank)
+        if sharding_of(model) is None:
+            return full_state_dict(model, self.rank)  # rank 0's copy: nothing is sent
+        return self._collective(
+            "ctx.full_state_dict()",
+            lambda: full_state_dict(model, self.rank),
+            one_wait=True,
+            everyone=self._spans_all(model),
+        )
+
+    def _collective(
+        self, what: str, call: Callable[[], T], *, one_wait: bool, everyone: bool = False
+    ) -> T:
+        """``call()`` through :attr:`_collective_call` (directly while none is set)."""
+        if self._collective_call is None:
+            return call()
+        return self._collective_call(what, call, one_wait=one_wait, everyone=everyone)
+
+    def _spans_all(self, model: nn.Module) -> bool:
+        """Whether ``model``'s shards are spread over every rank (ctx.shard's mesh is)."""
+        dtensor = dtensor_type()
+        for parameter in model.parameters():
+            if isinstance(parameter, dtensor):
+                return bool(parameter.device_mesh.size() == self.world_size)
+        return False  # FSDP1: its process group is its own
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
@@ -58,6 +59,7 @@ from ddpctx.hang.inflight import hook_fsdp_roots
 from ddpctx.hang.settings import HangSettings, resolve_hang_settings
 from ddpctx.hang.watchdog import Doctor
 from ddpctx.parallel.precision import Precision, PrecisionName, resolve_precision
+from ddpctx.reduce.guard import check_caller
 from ddpctx.reduce.handles import end_of_block
 from ddpctx.session.departures import add_note, departed, departure_note, record_departure
 from ddpctx.session.distcontext import DistContext
@@ -255,6 +257,7 @@ class DistributedSession:
                 plan.info, plan.backend, plan.device, plan.seed, self.close, plan.precision
             )
             context._after_shard = hook_fsdp_roots
+            context._collective_call = partial(guarded_collective, doctor)
             start_watching(context, plan.watching, plan.info, plan.device, doctor.tracker, stack)
             occupy(context)
             stack.callback(occupy, None)
@@ -306,6 +309,15 @@ class DistributedSession:
         """How many collectives this rank entered in the block (None: the doctor is off)."""
         tracker = self._doctor.tracker if self._doctor is not None else None
         return tracker.entered if tracker is not None else None
+
+
+def guarded_collective(
+    doctor: Doctor, what: str, call: Callable[[], T], *, one_wait: bool, everyone: bool
+) -> T:
+    """A ddpctx call that is a collective (``ctx.shard``, ``ctx.full_state_dict``, ...):
+    refused where no other rank can join it; with ``one_wait``, one wait for the doctor."""
+    check_caller(what)
+    return doctor.wait_in(what, call, checked=everyone) if one_wait else call()
 
 
 def _group_store() -> object:

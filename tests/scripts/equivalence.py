@@ -1,7 +1,7 @@
 """One small training script, run every way ddpctx lets it run: the equivalence matrix's job.
 
-usage: equivalence.py OUT --cells MODE:PRECISION[:stream][,...] [--workers N] [--kill-after STEP]
-                      [--async-save] [--metrics] [--reference]
+usage: equivalence.py OUT --cells MODE:PRECISION[:stream|:raw][,...] [--workers N]
+                      [--kill-after STEP] [--async-save] [--metrics] [--reference]
 
 Each cell trains the same MLP on the same data (96 fixed samples, a global
 batch of 12 split over the ranks, 3 epochs, SGD with momentum) inside its own
@@ -15,7 +15,9 @@ whole model's weights right after wrapping/sharding (``start``) and at the
 end (``final``), as ``ctx.full_state_dict`` gives them, the restart count and
 the step it resumed from. A last checkpoint holds the final weights. ``--metrics`` also
 calls ``ctx.log`` every step (the loss and the step timings, to
-``OUT/<cell>/log/metrics.jsonl``), which must change nothing.
+``OUT/<cell>/log/metrics.jsonl``), which must change nothing. A ``:raw`` cell
+saves and loads the bare module (``ctx.unwrap(model)``, nanoGPT's
+``raw_model``) instead of the model, which must change nothing either.
 
 ``--reference`` instead trains the same model in one plain process without
 ddpctx or torch.distributed, in float64, reading each step's global batch
@@ -105,6 +107,7 @@ def train_cell(
 
     mode, precision, *data = cell.split(":")
     stream = data == ["stream"]
+    raw = data == ["raw"]
     folder = out / cell.replace(":", "-")
     log_dir = folder / "log" if log else None
     with distributed(seed=SEED, precision=precision, log_dir=log_dir) as ctx:
@@ -112,6 +115,7 @@ def train_cell(
         model = ctx.wrap(model) if mode == "wrap" else ctx.shard(model, blocks=[nn.Linear])
         start = ctx.full_state_dict(model)
         optimizer = make_optimizer(model)
+        saved = ctx.unwrap(model) if raw else model  # what the checkpoints are given
         if stream:
             loader = ctx.dataloader(
                 EpochStream(), batch_size=GLOBAL_BATCH // ctx.world_size, num_workers=workers
@@ -124,7 +128,7 @@ def train_cell(
                 num_workers=workers,
                 persistent_workers=workers > 0,
             )
-        meta = ctx.load_checkpoint(folder / "checkpoints", model=model, optimizer=optimizer)
+        meta = ctx.load_checkpoint(folder / "checkpoints", model=saved, optimizer=optimizer)
         start_epoch, step = (meta["epoch"], meta["step"]) if meta else (0, 0)
         resumed_step = step
         for epoch in ctx.epochs(EPOCHS, start=start_epoch):
@@ -139,7 +143,7 @@ def train_cell(
                 if step % SAVE_EVERY == 0:
                     ctx.save_checkpoint(
                         folder / "checkpoints",
-                        model=model,
+                        model=saved,
                         optimizer=optimizer,
                         async_save=async_save,
                         epoch=epoch,
@@ -152,7 +156,7 @@ def train_cell(
         final = ctx.full_state_dict(model)
         # the final weights as a checkpoint too: load_weights of it must give `final`
         ctx.save_checkpoint(
-            folder / "checkpoints", model=model, optimizer=optimizer, epoch=EPOCHS - 1, step=step
+            folder / "checkpoints", model=saved, optimizer=optimizer, epoch=EPOCHS - 1, step=step
         )
         if ctx.is_main:
             record = {

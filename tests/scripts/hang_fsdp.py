@@ -1,10 +1,13 @@
 """A rank skips backward under ctx.shard: ``hang_fsdp.py CASE SECONDS`` (``SECONDS``: hang_timeout).
 
 Cases: ``backward`` (rank 1 sleeps before ``backward()``; the others wait in FSDP2's
-backward collectives) and ``forward`` (rank 1 sleeps before the forward pass; the others
-wait in its all-gather). Rank 1 comes back once the hang report is published in the job's
-store (an event, not a guessed sleep), so the job ends successfully. Lines the tests look
-for end in a ``# <NAME>`` marker.
+backward collectives), ``forward`` (rank 1 sleeps before the forward pass; the others
+wait in its all-gather), ``full_state_dict`` and ``clip`` (rank 1 sleeps before
+``ctx.full_state_dict`` / ``ctx.clip_grad_norm_``; the others wait in their DTensor
+all-gather / all-reduce, which torch makes through functional collectives). Rank 1
+comes back once the hang report is published in the job's store (an event, not a
+guessed sleep), so the job ends successfully. Lines the tests look for end in a
+``# <NAME>`` marker.
 """
 
 import sys
@@ -51,5 +54,13 @@ with distributed(hang_timeout=seconds, timeout=120) as ctx:
     if case == "backward" and ctx.rank == 1:
         reported.wait(GIVE_UP_S)  # SKIP-BACKWARD
     loss.backward()  # BACKWARD
+    if case == "full_state_dict":
+        if ctx.rank == 1:
+            reported.wait(GIVE_UP_S)  # SKIP-FULL-STATE-DICT
+        ctx.full_state_dict(model)  # FULL-STATE-DICT
+    if case == "clip":
+        if ctx.rank == 1:
+            reported.wait(GIVE_UP_S)  # SKIP-CLIP
+        ctx.clip_grad_norm_(model, max_norm=1.0)  # CLIP
     poller.join(GIVE_UP_S)  # out of the store before it goes (else SIGABRT at exit)
     ctx.print("JOB-DONE")
