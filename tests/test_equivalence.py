@@ -27,22 +27,26 @@ What is asserted, cell by cell:
   ``IterableDataset``; they start and end as the map-style cells do, and a
   stream killed and resumed (0 and 2 workers, 2 and 3 ranks, ``ctx.wrap`` and
   ``ctx.shard``) ends bit-equal to the uninterrupted stream cell;
-- **the bare module**: a 3-rank ``ctx.wrap`` run that saves and loads
-  ``ctx.unwrap(model)`` (nanoGPT's ``raw_model``), killed and resumed, ends
-  bit-equal to the uninterrupted ``wrap:32`` cell;
 - **snapshots**: ``start`` is taken before training and must still hold the
   initial weights at the end, so a ``full_state_dict`` that returned a view
   of live parameters fails the start check;
 - **watching**: every cell runs with the step timings and the straggler
   watcher on (the default); a killed-and-resumed run that also calls
   ``ctx.log`` every step ends bit-equal to the uninterrupted run without it,
-  and its ``metrics.jsonl`` holds every step once.
+  and its ``metrics.jsonl`` holds every step once;
+- **real scripts**: the loops real scripts write (the script's ``--shapes``:
+  the bare module to save/load, log-save-log at one step, its own batch
+  function, the config logged after the resume, gradient accumulation with
+  ``ctx.log`` at every micro-step), killed and resumed at 3 ranks, end
+  bit-equal to the same loop uninterrupted, and every logger (jsonl, csv,
+  TensorBoard) holds each step's metric once, with the uninterrupted values.
 
 A new capability that changes how a script can run joins this matrix.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -61,6 +65,7 @@ MODES = ("wrap", "shard")
 CELLS = [f"{mode}:{precision}" for mode in MODES for precision in PRECISIONS]
 CELLS += [f"{mode}:32:stream" for mode in MODES]  # the same samples from an IterableDataset
 WORLD_SIZES = (1, 2, 3)  # 3: DDP rebuilds its buckets differently from 3 ranks on
+SAVE_EVERY = 5
 KILL_AFTER = 12  # checkpoints every 5 steps, 24 steps in all: resumed from step 10 (or 5)
 
 #: The largest absolute difference from the float64 reference each precision may show.
@@ -190,8 +195,6 @@ def test_load_weights_of_every_cells_last_checkpoint_is_its_full_state_dict(
 # test_logging_every_step_changes_nothing_and_survives_the_kill, which asserts the same and more.
 KILLED = [
     pytest.param("wrap:32", 3, 2, False, id="wrap-3ranks-2workers"),
-    # nanoGPT's raw_model: the bare module saved and loaded, against the wrap:32 cell
-    pytest.param("wrap:32:raw", 3, 0, False, id="wrap-raw-model-3ranks"),
     pytest.param("wrap:bf16-mixed", 2, 0, False, id="wrap-bf16mixed-2ranks"),
     pytest.param("shard:32", 2, 2, True, id="shard-2ranks-async-2workers"),
     pytest.param("shard:bf16-mixed", 3, 0, True, id="shard-bf16mixed-3ranks-async"),
@@ -218,7 +221,7 @@ def test_a_killed_and_resumed_run_ends_bit_equal_to_an_uninterrupted_one(
     resumed = result_of(tmp_path, cell)
     assert resumed["restart_count"] == 1, "the run was not killed and restarted"
     assert 0 < resumed["resumed_step"] <= KILL_AFTER, "the restarted run did not resume"
-    whole = result_of(matrix[world_size], cell.removesuffix(":raw"))
+    whole = result_of(matrix[world_size], cell)
     uninterrupted = {name: value.double() for name, value in whole["final"].items()}
     assert bit_equal(resumed["final"], whole["final"]), (
         f"{cell} at {world_size} ranks, resumed from step {resumed['resumed_step']}, ends "
@@ -246,3 +249,90 @@ def test_logging_every_step_changes_nothing_and_survives_the_kill(
     untimed = [line["step"] for line in lines if "timings/step_ms" not in line]
     assert len(untimed) <= 2, untimed
     assert all(line["timings/step_ms"] > 0 for line in lines if line["step"] not in untimed)
+
+
+#: Real scripts' loops, killed after step 12 and resumed at 3 ranks: nanoGPT's shape (the
+#: bare module to save/load, its own batch function, an eval logged before the checkpoint
+#: and the train loss after it, the config logged after the load) trains the very model of
+#: the matrix's ``wrap:32`` cell; accumulation trains another, run whole for comparison.
+REAL_SHAPES = [
+    pytest.param("raw,ownbatch,logsavelog,config", id="nanogpt-shaped"),
+    pytest.param("accum", id="accumulation-logging-every-micro-step"),
+]
+
+
+def trail_of(log_dir: Path) -> dict[str, list[tuple[int, str, float]]]:
+    """Every (step, metric, value) each logger holds, timings left out (they are measured)."""
+    jsonl = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    with (log_dir / "metrics.csv").open(newline="") as rows:
+        table = list(csv.DictReader(rows))
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    events = [
+        (event.step, value.tag, value)
+        for path in sorted(log_dir.glob("events.out.tfevents.*"))
+        for event in EventFileLoader(str(path)).Load()
+        for value in event.summary.value
+    ]
+    return {
+        "jsonl": sorted(
+            (line["step"], key, value)
+            for line in jsonl
+            for key, value in line.items()
+            if key != "step" and not key.startswith("timings/")
+        ),
+        "csv": sorted(
+            (int(row["step"]), key, float(value))
+            for row in table
+            for key, value in row.items()
+            if key != "step" and value != "" and not key.startswith("timings/")
+        ),
+        "tensorboard": sorted(
+            (step, tag, float(value.tensor.float_val[0] if value.tensor.float_val else 0))
+            for step, tag, value in events
+            if not tag.startswith("timings/") and tag != "config/text_summary"
+        ),
+        "tensorboard config": [(step, tag, 0.0) for step, tag, _ in events if "config" in tag],
+    }
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The accumulation loop at 3 ranks, uninterrupted (it trains another model)."""
+    out = tmp_path_factory.mktemp("accumulated")
+    run_job(out, "--cells", "wrap:32", "--shapes", "accum", nproc=3)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shapes", REAL_SHAPES)
+def test_a_real_scripts_loop_killed_and_resumed_ends_as_it_would_have_and_logs_once(
+    matrix: dict[int, Path], request: pytest.FixtureRequest, tmp_path: Path, shapes: str
+) -> None:
+    args = ["--cells", "wrap:32", "--shapes", shapes, "--kill-after", str(KILL_AFTER)]
+    run_job(tmp_path, *args, nproc=3, restarts=1)
+    resumed = result_of(tmp_path, "wrap:32")
+    assert resumed["restart_count"] == 1, "the run was not killed and restarted"
+    assert 0 < resumed["resumed_step"] <= KILL_AFTER, "the restarted run did not resume"
+    whole = request.getfixturevalue("accumulated") if "accum" in shapes else matrix[3]
+    expected = result_of(whole, "wrap:32")
+    uninterrupted = {name: value.double() for name, value in expected["final"].items()}
+    assert bit_equal(resumed["final"], expected["final"]), (
+        f"--shapes {shapes} at 3 ranks, resumed from step {resumed['resumed_step']}, ends "
+        f"{largest_difference(resumed['final'], uninterrupted):.3g} from the uninterrupted run"
+    )
+    if "accum" in shapes:
+        assert trail_of(tmp_path / "wrap-32" / "log") == trail_of(whole / "wrap-32" / "log")
+    if "logsavelog" not in shapes:
+        return
+    trail = trail_of(tmp_path / "wrap-32" / "log")
+    expected_points = sorted(
+        [(step, "loss") for step in range(1, 25)]
+        + [(step, "eval/loss") for step in range(SAVE_EVERY, 25, SAVE_EVERY)]
+    )
+    for logger in ("jsonl", "csv", "tensorboard"):
+        points = [(step, name) for step, name, _ in trail[logger]]
+        assert points == expected_points, f"{logger} after the resume: {points}"
+    assert len(trail["tensorboard config"]) == 1, trail["tensorboard config"]
+    config = json.loads((tmp_path / "wrap-32" / "log" / "config.json").read_text())
+    assert config["shapes"] == ["config", "logsavelog", "ownbatch", "raw"]

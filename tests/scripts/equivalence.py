@@ -1,7 +1,7 @@
 """One small training script, run every way ddpctx lets it run: the equivalence matrix's job.
 
-usage: equivalence.py OUT --cells MODE:PRECISION[:stream|:raw][,...] [--workers N]
-                      [--kill-after STEP] [--async-save] [--metrics] [--reference]
+usage: equivalence.py OUT --cells MODE:PRECISION[:stream][,...] [--workers N] [--kill-after STEP]
+                      [--async-save] [--metrics] [--shapes SHAPE[,...]] [--reference]
 
 Each cell trains the same MLP on the same data (96 fixed samples, a global
 batch of 12 split over the ranks, 3 epochs, SGD with momentum) inside its own
@@ -15,9 +15,25 @@ whole model's weights right after wrapping/sharding (``start``) and at the
 end (``final``), as ``ctx.full_state_dict`` gives them, the restart count and
 the step it resumed from. A last checkpoint holds the final weights. ``--metrics`` also
 calls ``ctx.log`` every step (the loss and the step timings, to
-``OUT/<cell>/log/metrics.jsonl``), which must change nothing. A ``:raw`` cell
-saves and loads the bare module (``ctx.unwrap(model)``, nanoGPT's
-``raw_model``) instead of the model, which must change nothing either.
+``OUT/<cell>/log/metrics.jsonl``), which must change nothing.
+
+``--shapes`` writes the loop the way real scripts do (nanoGPT, Kronos), each
+shape alone or several together; every one but ``accum`` trains the very
+same model as the guides' idiom:
+
+- ``raw``: the bare module (``raw_model = ctx.unwrap(model)``) goes to
+  ``save_checkpoint`` and ``load_checkpoint``;
+- ``logsavelog``: ``ctx.log`` every step, and at a checkpoint step an eval
+  metric logged before the save and the train metric after it, at the same
+  step (loggers jsonl, csv and tensorboard);
+- ``ownbatch``: no ``ctx.dataloader``: the script's own batch function deals
+  each rank its share of the epoch's order, as a DistributedSampler would, and
+  finds its place after a resume from the checkpoint's step;
+- ``accum``: gradient accumulation over 2 micro-batches under ``ctx.no_sync``,
+  with ``ctx.log`` at every micro-step (another model: compare it with the
+  same shape uninterrupted);
+- ``config``: ``ctx.log_config`` right after ``load_checkpoint``, as the guide
+  orders them.
 
 ``--reference`` instead trains the same model in one plain process without
 ddpctx or torch.distributed, in float64, reading each step's global batch
@@ -100,22 +116,46 @@ def reference(out: Path) -> None:
     torch.save({"start": start, "final": final}, out / "reference.pt")
 
 
+STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
+SHAPES = ("raw", "logsavelog", "ownbatch", "accum", "config")
+LOGGED_SHAPES = {"logsavelog", "accum", "config"}  # shapes that need the loggers
+
+
+def own_batches(
+    epoch: int, rank: int, world_size: int, skip: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batches of ``epoch`` from the ``skip``-th on, dealt as a DistributedSampler."""
+    inputs, targets = make_data().tensors
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch))
+    mine = order[rank::world_size]
+    size = GLOBAL_BATCH // world_size
+    for first in range(skip * size, len(mine), size):
+        batch = mine[first : first + size]
+        yield inputs[batch].to(device), targets[batch].to(device)
+
+
 def train_cell(
-    out: Path, cell: str, workers: int, kill_after: int | None, async_save: bool, log: bool = False
+    out: Path,
+    cell: str,
+    workers: int,
+    kill_after: int | None,
+    async_save: bool,
+    log: bool = False,
+    shapes: frozenset[str] = frozenset(),
 ) -> None:
     from ddpctx import distributed
 
     mode, precision, *data = cell.split(":")
     stream = data == ["stream"]
-    raw = data == ["raw"]
     folder = out / cell.replace(":", "-")
+    log = log or bool(shapes & LOGGED_SHAPES)
     log_dir = folder / "log" if log else None
-    with distributed(seed=SEED, precision=precision, log_dir=log_dir) as ctx:
+    loggers = ("jsonl", "csv", "tensorboard") if shapes & LOGGED_SHAPES else None
+    with distributed(seed=SEED, precision=precision, log_dir=log_dir, loggers=loggers) as ctx:
         model = make_model()
         model = ctx.wrap(model) if mode == "wrap" else ctx.shard(model, blocks=[nn.Linear])
         start = ctx.full_state_dict(model)
         optimizer = make_optimizer(model)
-        saved = ctx.unwrap(model) if raw else model  # what the checkpoints are given
         if stream:
             loader = ctx.dataloader(
                 EpochStream(), batch_size=GLOBAL_BATCH // ctx.world_size, num_workers=workers
@@ -128,19 +168,38 @@ def train_cell(
                 num_workers=workers,
                 persistent_workers=workers > 0,
             )
+        saved = ctx.unwrap(model) if "raw" in shapes else model
         meta = ctx.load_checkpoint(folder / "checkpoints", model=saved, optimizer=optimizer)
+        if "config" in shapes:
+            ctx.log_config({"cell": cell, "lr": LEARNING_RATE, "shapes": sorted(shapes)})
         start_epoch, step = (meta["epoch"], meta["step"]) if meta else (0, 0)
         resumed_step = step
         for epoch in ctx.epochs(EPOCHS, start=start_epoch):
-            for inputs, targets in loader:
-                loss = nn.functional.mse_loss(model(inputs), targets)
+            if "ownbatch" in shapes:
+                skip = step - epoch * STEPS_PER_EPOCH if epoch == start_epoch else 0
+                batches = own_batches(epoch, ctx.rank, ctx.world_size, skip, ctx.device)
+            else:
+                batches = iter(loader)
+            for inputs, targets in batches:
                 optimizer.zero_grad()
-                loss.backward()
+                if "accum" in shapes:
+                    halves = list(zip(inputs.chunk(2), targets.chunk(2), strict=True))
+                    for micro, (part, part_targets) in enumerate(halves):
+                        with ctx.no_sync(model, enabled=micro < len(halves) - 1):
+                            loss = nn.functional.mse_loss(model(part), part_targets)
+                            (loss / len(halves)).backward()
+                        ctx.log({f"loss/micro{micro}": loss.detach()}, step=step + 1)
+                else:
+                    loss = nn.functional.mse_loss(model(inputs), targets)
+                    loss.backward()
                 optimizer.step()
                 step += 1
-                if log:
+                checkpoint_step = step % SAVE_EVERY == 0
+                if log and "logsavelog" not in shapes:  # log, then save
                     ctx.log({"loss": loss.detach()}, step=step, timings=True)
-                if step % SAVE_EVERY == 0:
+                elif "logsavelog" in shapes and checkpoint_step:  # log, save, log again
+                    ctx.log({"eval/loss": loss.detach() * 2}, step=step)
+                if checkpoint_step:
                     ctx.save_checkpoint(
                         folder / "checkpoints",
                         model=saved,
@@ -149,6 +208,8 @@ def train_cell(
                         epoch=epoch,
                         step=step,
                     )
+                if "logsavelog" in shapes:
+                    ctx.log({"loss": loss.detach()}, step=step, timings=True)
                 last_rank = ctx.rank == ctx.world_size - 1
                 if step == kill_after and ctx.restart_count == 0 and last_rank:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -178,13 +239,20 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=None)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--metrics", action="store_true")
+    parser.add_argument("--shapes", default="")
     parser.add_argument("--reference", action="store_true")
     args = parser.parse_args()
+    shapes = frozenset(filter(None, args.shapes.split(",")))
+    unknown = shapes - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown --shapes {sorted(unknown)}: choose from {', '.join(SHAPES)}")
     if args.reference:
         reference(args.out)
         return
     for cell in filter(None, args.cells.split(",")):
-        train_cell(args.out, cell, args.workers, args.kill_after, args.async_save, args.metrics)
+        train_cell(
+            args.out, cell, args.workers, args.kill_after, args.async_save, args.metrics, shapes
+        )
 
 
 if __name__ == "__main__":
