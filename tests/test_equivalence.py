@@ -262,18 +262,34 @@ REAL_SHAPES = [
 
 
 def trail_of(log_dir: Path) -> dict[str, list[tuple[int, str, float]]]:
-    """Every (step, metric, value) each logger holds, timings left out (they are measured)."""
+    """Every (step, metric, value) each logger holds, as its reader sees it; timings left out.
+
+    TensorBoard is read as TensorBoard shows it: a resumed writer's purge of the
+    killed attempt's later steps applies.
+    """
     jsonl = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     with (log_dir / "metrics.csv").open(newline="") as rows:
         table = list(csv.DictReader(rows))
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
 
-    events = [
-        (event.step, value.tag, value)
-        for path in sorted(log_dir.glob("events.out.tfevents.*"))
-        for event in EventFileLoader(str(path)).Load()
-        for value in event.summary.value
+    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    tags = events.Tags()
+    board = [
+        (event.step, tag, float(make_ndarray(event.tensor_proto)))
+        for tag in tags["tensors"]
+        if tag != "config/text_summary" and not tag.startswith("timings/")
+        for event in events.Tensors(tag)
+    ] + [
+        (event.step, tag, event.value)
+        for tag in tags["scalars"]
+        if not tag.startswith("timings/")
+        for event in events.Scalars(tag)
     ]
+    configs = (
+        events.Tensors("config/text_summary") if "config/text_summary" in tags["tensors"] else []
+    )
     return {
         "jsonl": sorted(
             (line["step"], key, value)
@@ -287,12 +303,8 @@ def trail_of(log_dir: Path) -> dict[str, list[tuple[int, str, float]]]:
             for key, value in row.items()
             if key != "step" and value != "" and not key.startswith("timings/")
         ),
-        "tensorboard": sorted(
-            (step, tag, float(value.tensor.float_val[0] if value.tensor.float_val else 0))
-            for step, tag, value in events
-            if not tag.startswith("timings/") and tag != "config/text_summary"
-        ),
-        "tensorboard config": [(step, tag, 0.0) for step, tag, _ in events if "config" in tag],
+        "tensorboard": sorted(board),
+        "tensorboard config": [(event.step, "config", 0.0) for event in configs],
     }
 
 
