@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from ddpctx.parallel.accumulate import Accumulation, no_sync
 from ddpctx.parallel.clipping import clip_grad_norm
+from ddpctx.parallel.compiling import CompileSetting, compile_in_place, compile_options
 from ddpctx.parallel.precision import Precision
 from ddpctx.parallel.sharding import (
     DEFAULT_MIN_PARAMS,
@@ -82,17 +83,24 @@ class ModelFaces:
     _collective_call: CollectiveCall | None = None
     _scaler: torch.amp.GradScaler | None
 
-    def wrap(self, model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
+    def wrap(
+        self, model: nn.Module, *, compile: CompileSetting = False, **ddp_kwargs: Any
+    ) -> DistributedDataParallel:
         """Move ``model`` to :attr:`device` and wrap it in DistributedDataParallel.
 
         On CUDA ``device_ids=[local_rank]`` is passed unless you pass your own.
         ``ddp_kwargs`` go to DDP (e.g. ``find_unused_parameters=True``).
+        ``compile=True`` (or a dict of ``torch.compile`` options) compiles the
+        DDP module in place after wrapping, as torch advises for DDP; its
+        parameter names stay those of the model
+        (:mod:`ddpctx.parallel.compiling`).
 
         >>> from ddpctx import distributed
         >>> with distributed() as ctx:
         ...     type(ctx.wrap(torch.nn.Linear(2, 1))).__name__
         'DistributedDataParallel'
         """
+        options = compile_options(compile, "ctx.wrap")
         if isinstance(model, DistributedDataParallel):
             raise ValueError(
                 "wrap() got a model that is already DistributedDataParallel; pass the bare "
@@ -117,6 +125,8 @@ class ModelFaces:
         )
         remember_wrapper(wrapped)  # its bare module saves and loads as the wrapper does
         self._precision.wrap_forward(wrapped)
+        if options is not None:
+            compile_in_place([wrapped], options)
         if self._on_model is not None:
             self._on_model(wrapped)
         return wrapped
@@ -146,6 +156,7 @@ class ModelFaces:
         blocks: BlockPolicy | None = None,
         min_params: int = DEFAULT_MIN_PARAMS,
         full_state_dict: Mapping[str, Any] | None = None,
+        compile: CompileSetting = False,
         **fsdp_kwargs: Any,
     ) -> nn.Module:
         """Move ``model`` to :attr:`device` and shard it with FSDP2 ``fully_shard``, block by block.
@@ -182,6 +193,7 @@ class ModelFaces:
         'DTensor'
         """
         check_shardable(model, min_params)
+        options = compile_options(compile, "ctx.shard")
         policy = self._precision.fsdp_policy()
         block_kwargs: dict[str, Any] = {}
         batch_norm_kwargs: dict[str, Any] | None = None
@@ -205,6 +217,7 @@ class ModelFaces:
                     min_params=min_params,
                     block_kwargs=block_kwargs,
                     batch_norm_kwargs=batch_norm_kwargs,
+                    compile_options=options,
                     **fsdp_kwargs,
                 ),
                 rank=self.rank,

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ddpctx.parallel.compiling import compile_in_place
 from ddpctx.parallel.wrapping import unwrap_model
 
 if TYPE_CHECKING:
@@ -167,9 +168,13 @@ def shard_model(
     min_params: int = DEFAULT_MIN_PARAMS,
     block_kwargs: dict[str, Any] | None = None,
     batch_norm_kwargs: dict[str, Any] | None = None,
+    compile_options: dict[str, Any] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
     """``fully_shard`` each block of ``model`` (see the module docstring), then the root.
+
+    With ``compile_options`` each block is compiled in place before it is
+    sharded, or the root when no block is (:mod:`ddpctx.parallel.compiling`).
 
     ``block_kwargs`` override ``fsdp_kwargs`` for the blocks (not the root).
     With ``batch_norm_kwargs`` every batch-norm layer is sharded on its own
@@ -193,9 +198,15 @@ def shard_model(
 
     if blocks is None:
         chosen = default_blocks(model, min_params)
+    sharded_blocks = []
     for block in chosen:
         if sharding_of(block) is None:  # a block inside a block already taken is left whole
+            if compile_options is not None:
+                compile_in_place([block], compile_options)
             fully_shard(block, mesh=mesh, **{**fsdp_kwargs, **(block_kwargs or {})})
+            sharded_blocks.append(block)
+    if compile_options is not None and not sharded_blocks:
+        compile_in_place([model], compile_options)
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
     now = {id(param) for param in model.parameters()}
     _REPLACED.update((id(param), param) for param in before if id(param) not in now)

@@ -264,9 +264,13 @@ class StepClock:
             register_optimizer_step_pre_hook,
         )
 
+        # Run as plain Python in a compiled model (compile=): a hook dynamo traced would
+        # break its graph at every forward (threading.get_ident is opaque to it).
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def pre(*_: Any) -> None:
             self.enter()
 
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def post(*_: Any) -> None:
             self.leave()
             self.optimizer_stepped()
@@ -301,9 +305,13 @@ class StepClock:
         if not isinstance(model, nn.Module):
             return
 
+        # Run as plain Python in a compiled model (compile=): a hook dynamo traced would
+        # break its graph at every forward (threading.get_ident is opaque to it).
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def pre(*_: Any) -> None:
             self.enter()
 
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def post(*_: Any) -> None:
             self.leave()
 
