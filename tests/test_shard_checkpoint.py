@@ -357,11 +357,11 @@ def die_mid_write(folder: str) -> None:
     ctx.save_checkpoint(folder, model=model, epoch=0)
     original = sharded.dcp_save
 
-    def dying(state: Any, checkpoint_id: Path) -> Any:
+    def dying(state: Any, checkpoint_id: Path, *rest: Any) -> Any:
         if ctx.rank == 1:
             (checkpoint_id / "__1_0.distcp").write_bytes(b"half a shard")
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(state, checkpoint_id=checkpoint_id)
+        return original(state, checkpoint_id, *rest)
 
     sharded.dcp_save = dying  # this rank process only
     ctx.save_checkpoint(folder, model=model, epoch=1)

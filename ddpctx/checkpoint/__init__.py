@@ -6,11 +6,14 @@
 - :mod:`~ddpctx.checkpoint.perrank`: ``rank_state=``, one state per rank.
 - :mod:`~ddpctx.checkpoint.schedules`: step-counted schedulers across world sizes.
 - :mod:`~ddpctx.checkpoint.sharded`: the same for sharded (FSDP2) models, through DCP.
+- :mod:`~ddpctx.checkpoint.shardload`: a sharded checkpoint loaded, each rank verifying its reads.
 - :mod:`~ddpctx.checkpoint.shardfiles`: sharded checkpoint directories: names, newest, pruning.
+- :mod:`~ddpctx.checkpoint.dcpread`: DCP's files read as data, never as code, verified as read.
+- :mod:`~ddpctx.checkpoint.together`: each rank verifies what it reads; one gather decides.
 - :mod:`~ddpctx.checkpoint.pending`: ``async_save=True``, a sharded save written while training.
 - :mod:`~ddpctx.checkpoint.shardwriter`: DCP's file writer, keeping a failed write's ``errno``.
 - :mod:`~ddpctx.checkpoint.writefailures`: a failed sharded write as an ``OSError`` naming the path.
-- :mod:`~ddpctx.checkpoint.sums`: per-file checksums, recorded at save, verified before loading.
+- :mod:`~ddpctx.checkpoint.sums`: checksums, recorded at save, verified by each rank as it reads.
 - :mod:`~ddpctx.checkpoint.writerlock`: one writing job per checkpoint directory, enforced.
 - :mod:`~ddpctx.checkpoint.faces`: ``ctx.save``/``load``/``save_checkpoint``/``load_checkpoint``.
 - :mod:`~ddpctx.checkpoint.weights`: ``checkpoint_meta`` and ``load_weights``, in one plain process.

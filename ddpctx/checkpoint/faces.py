@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpctx.checkpoint import resume, sharded
+from ddpctx.checkpoint import resume, sharded, shardload
 from ddpctx.checkpoint.files import load_file
 from ddpctx.checkpoint.pending import Pending
 from ddpctx.checkpoint.writefailures import written_by_rank_zero
@@ -205,7 +205,7 @@ class CheckpointFaces:
         check_caller("ctx.load_checkpoint()")
         self.finish_checkpoint()
         sharded_read = sharded.reads_sharded(self._place(), Path(directory), model)
-        reader = sharded.load if sharded_read else resume.load
+        reader = shardload.load if sharded_read else resume.load
         meta = reader(
             self._place(),
             self.device,

@@ -12,18 +12,22 @@
 - Beside each file, ``checkpoint-000007-epoch3.pt.sums`` records its size and
   CRC-32 (:mod:`ddpctx.checkpoint.sums`), written before the file is renamed
   into place; copy both.
-- :func:`newest_checkpoint` tells three cases apart: a file *torn* by a crash
-  or *damaged* since it was saved (not a readable torch file, or not the
-  bytes its manifest records: skipped with a warning, the next older one is
-  used), a file that reads but is *refused* (``weights_only`` refuses what it
-  holds, or it is not a ddpctx checkpoint: an error naming it, never skipped
-  silently), and no checkpoint at all (None). When checkpoints exist and none
-  loads, that is an error too, never "start over".
+- Three cases are told apart: a file *torn* by a crash or *damaged* since
+  it was saved (not a readable torch file, or not the bytes its manifest
+  records: skipped with a warning, the next older one is used), a file that
+  reads but is *refused* (:func:`read_state`: ``weights_only`` refuses what
+  it holds -- pickled code, refused as unsafe -- or it is not a ddpctx
+  checkpoint: an error naming it, never skipped silently), and no checkpoint
+  at all (None). When checkpoints exist and none loads, that is an error
+  too, never "start over". :func:`newest_checkpoint` decides so for one
+  process that reads the file (``load_weights``); ``load_checkpoint`` has
+  every rank verify and read its own copy (:mod:`ddpctx.checkpoint.resume`).
 - :func:`prune` never deletes the newest loadable checkpoint. A checkpoint
   with the same epoch and step as a newer one is superseded and removed
   (a mid-epoch save at the last step, then the end-of-epoch save). The
   ``keep`` of the last save is stored, so loading prunes again what a stop
-  between the rename and the prune left behind.
+  between the rename and the prune left behind. Pruning reads no
+  checkpoint's tensors (:func:`loads`).
 - :func:`check_single_writer`: two jobs writing one directory would reuse
   numbers and prune each other's newest files. A run remembers the newest
   checkpoint it wrote or loaded; a newer one it did not write means another
@@ -36,6 +40,10 @@ tensors and plain numbers, so no pickled code is ever needed.
 
 This module does the file work; :class:`ddpctx.DistContext` decides which rank
 writes and makes the others wait.
+
+Why one module: names, the newest that loads, refusals and pruning are one
+rule set -- which files count as a run's checkpoints, in which order, and
+which of them load -- and each of them is read with the others.
 
 Example:
     >>> import tempfile, pathlib
@@ -56,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpctx.checkpoint.sums import intact, sidecar
+from ddpctx.checkpoint.sums import Torn, found_damaged, intact, sidecar, sizes_differ
 from ddpctx.parallel.wrapping import unwrap_model
 from ddpctx.utils.atomic import atomic_save, remove_abandoned
 from ddpctx.utils.warn import warn_user
@@ -182,32 +190,53 @@ class RefusedCheckpoint(RuntimeError):
     """A checkpoint file that reads but cannot be used: an error, never a silent skip."""
 
 
-def probe(path: Path) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` (memory-mapped), None if torn; RefusedCheckpoint if refused."""
+def read_state(
+    path: Path, device: torch.device | str = "cpu", mmap: bool = False
+) -> dict[str, Any]:
+    """The checkpoint at ``path``, loaded with ``weights_only=True`` onto ``device``.
+
+    :class:`~ddpctx.checkpoint.sums.Torn` when it does not read as a torch file (torn, or
+    missing); :class:`RefusedCheckpoint` when ``weights_only`` refuses what it holds (pickled
+    code: refused as unsafe) or it is not a ddpctx checkpoint.
+    """
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except Exception as error:
         if "Weights only load failed" in str(error):
             reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
             raise RefusedCheckpoint(
                 f"{str(path)!r} reads as a torch file but torch.load(weights_only=True) "
-                f"refuses what it holds ({reason}), so it cannot be resumed safely. It was not "
-                "skipped: older checkpoints would silently lose progress. If you trust the "
-                "file, load it with torch.load(path, weights_only=False), store its values as "
-                "plain numbers/strings/tensors, and save it again (or move it away)."
+                f"refuses what it holds ({reason}): refused as unsafe, since unpickling it could "
+                "run code. It was not skipped: older checkpoints would silently lose progress. If "
+                "you trust the file, load it with torch.load(path, weights_only=False), store "
+                "its values as plain numbers/strings/tensors, and save it again (or move it away)."
             ) from error
-        warn_user(
-            f"skipping {str(path)!r}: it is torn or not a torch file ({type(error).__name__}: "
-            f"{str(error)[:200]}); trying an older checkpoint.",
-            RuntimeWarning,
-        )
-        return None
+        missing = isinstance(error, FileNotFoundError)
+        raise Torn(
+            str(path),
+            f"{path.name!r} is missing"
+            if missing
+            else f"{path.name!r} does not read as a torch file ({type(error).__name__}: "
+            f"{str(error)[:200]})",
+        ) from error
     if not (isinstance(state, dict) and state.get("format") == FORMAT):
         raise RefusedCheckpoint(
             f"{str(path)!r} is named like a checkpoint but is not a ddpctx checkpoint (no "
             f"format {FORMAT!r}). Move it out of the checkpoint directory, or load it yourself."
         )
     return state
+
+
+def probe(path: Path) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` (memory-mapped), None if torn; RefusedCheckpoint if refused."""
+    try:
+        return read_state(path, mmap=True)
+    except Torn as error:
+        warn_user(
+            f"skipping {str(path)!r}: it is torn: {error.reason}; trying an older checkpoint.",
+            RuntimeWarning,
+        )
+        return None
 
 
 def newest_checkpoint(directory: Path) -> Path | None:
@@ -271,7 +300,7 @@ def beyond_keep(
 
     ``newest_good`` (known to load) counts; each older one counts if ``loads``
     says so, asked newest first and only until ``keep`` are counted (with
-    ``keep=2``, one read of the previous checkpoint per save). A newer one
+    ``keep=2``, one look at the previous checkpoint per save). A newer one
     than ``newest_good`` (skipped at load as damaged or torn) never counts and
     is never pruned by this rule: it is the older checkpoints, not it, that
     hold the run's progress.
@@ -306,9 +335,19 @@ def quietly(check: Callable[[Path], bool], path: Path) -> bool:
 
 
 def loads(path: Path) -> bool:
-    """Whether the single-file checkpoint ``path`` matches its manifest and reads (no warning)."""
+    """Whether the single-file checkpoint ``path`` counts as one that loads, for pruning.
+
+    No warning, and no read of its bytes: there, at its recorded size, it reads as
+    a ddpctx checkpoint (memory-mapped: its tensors are not read), and no load in
+    this process found it damaged.
+    """
     return quietly(
-        lambda p: intact(sidecar(p), p.parent, (p.name,), p) and probe(p) is not None, path
+        lambda p: (
+            not found_damaged(p)
+            and (not sidecar(p).exists() or sizes_differ(sidecar(p), p.parent, (p.name,)) is None)
+            and probe(p) is not None
+        ),
+        path,
     )
 
 

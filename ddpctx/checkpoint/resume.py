@@ -6,9 +6,15 @@ anything is written), and rank 0 writes the file atomically, checks that it
 loads with ``weights_only=True`` (memory-mapped, cheap) and only then prunes
 older ones. Every rank gets the new path, or the same error.
 
-Loading picks the newest loadable checkpoint on rank 0
-(:func:`~ddpctx.checkpoint.files.newest_checkpoint`), restores the states on every
-rank, hands each loader its position, and gives a DDP model the gradient-bucket
+Loading takes the newest checkpoint that loads on *every* rank: rank 0
+lists the files (names only), and for each, newest first, every rank verifies
+its own copy against the manifest (one pass over its bytes) and reads it
+with ``weights_only=True``; one all-gather then says whether it was whole
+everywhere (:mod:`ddpctx.checkpoint.together`). A copy damaged or torn on
+any rank makes every rank go on to the next older checkpoint, with a
+warning naming the file and the rank; pickled code refused on any rank is
+an error on every rank. It then restores the states on every rank, hands
+each loader its position, and gives a DDP model the gradient-bucket
 layout the saving run had rebuilt (:mod:`ddpctx.parallel.buckets`), so its
 first step reduces exactly as the uninterrupted run's did. With ``allow_world_size_change=True``
 a checkpoint from another world size is
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +47,12 @@ from ddpctx.checkpoint.files import (
     check_single_writer,
     check_world_size,
     checkpoint_paths,
-    load_file,
-    newest_checkpoint,
     next_checkpoint_path,
     number_of,
     probe,
     prune,
+    read_state,
+    refuse_a_file,
     remove_abandoned_checkpoint_temporaries,
     remove_checkpoint_file,
     training_state,
@@ -53,7 +60,15 @@ from ddpctx.checkpoint.files import (
 )
 from ddpctx.checkpoint.meta import plain_meta
 from ddpctx.checkpoint.schedules import check_scheduler
-from ddpctx.checkpoint.sums import sidecar, write_manifest
+from ddpctx.checkpoint.sums import (
+    Damaged,
+    file_damage,
+    read_manifest,
+    sidecar,
+    unverified_warning,
+    write_manifest,
+)
+from ddpctx.checkpoint.together import read_together
 from ddpctx.checkpoint.writefailures import written_by_rank_zero
 from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook, saved_loaders
@@ -63,6 +78,7 @@ from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.utils.atomic import atomic_save
 from ddpctx.utils.identity import Place
 from ddpctx.utils.seeding import rng_state, seed_everything, set_rng_state
+from ddpctx.utils.warn import warn_user
 
 Gather = Callable[[Any], list[Any]]
 
@@ -205,12 +221,30 @@ def load(
         if isinstance(item, nn.Module):
             refuse_unsaveable(item, "load_checkpoint")
     seen = newest_seen if newest_seen is not None else {}
-    _, chosen = on_rank_zero(place, lambda: _choose(directory, seen), broadcast=True)
-    if chosen is None:
+    _, names = on_rank_zero(place, partial(_candidates, directory), broadcast=True)
+    assert isinstance(names, list)
+    if not names:
         return None
-    path = Path(chosen)
+    chosen, state = None, None
+    for name in names:  # each rank verifies and reads its own copy; one gather decides
+        path = directory / name
+        read = partial(_read_verified, place, path, device)
+        whole, state = read_together(place, path, sidecar(path), read)
+        if whole:
+            chosen = path
+            break
+    if chosen is None or state is None:
+        raise RuntimeError(
+            f"{str(directory)!r} holds {len(names)} checkpoint file(s) "
+            f"({', '.join(names[:5])}) and none of them loads (each is torn or "
+            "damaged: see the warnings). "
+            "Refusing to start over silently: restore a good checkpoint, or move the "
+            "directory away to start a new run."
+        )
+    path = chosen
     where = repr(str(path))
-    state = load_file(path, device, weights_only=True)
+    if place.rank == 0:
+        _after_choice(directory, path, state.get("keep"), seen)
     changed = check_world_size(state, path, place.world_size, allow_world_size_change)
     saved = saved_loaders(state.get("loaders") or [])
     if changed:
@@ -249,14 +283,36 @@ def load(
     return meta
 
 
-def _choose(directory: Path, seen: dict[Path, str]) -> Path | None:
-    """Rank 0: the newest loadable checkpoint, after pruning what an interrupted save left."""
+def _candidates(directory: Path) -> list[str]:
+    """Rank 0: the checkpoint files to try, newest first, after removing what a killed save left."""
+    refuse_a_file(directory)
     with contextlib.suppress(OSError):  # a read-only directory still loads
         remove_abandoned_checkpoint_temporaries(directory)
-    path = newest_checkpoint(directory)
-    if path is None:
-        return None
-    keep = (probe(path) or {}).get("keep")
+    return [path.name for path in checkpoint_paths(directory)]
+
+
+def _read_verified(place: Place, path: Path, device: torch.device) -> dict[str, Any]:
+    """This rank's copy of the checkpoint ``path``: verified against its manifest, then loaded.
+
+    The file is hashed in one sequential pass and then loaded (a ``.pt`` is a zip
+    that torch reads out of order; the second read comes from the page cache).
+    """
+    manifest = sidecar(path)
+    if manifest.exists():
+        recorded = read_manifest(manifest)
+        if isinstance(recorded, str):
+            raise Damaged(str(manifest), recorded)
+        if path.name not in recorded:
+            raise Damaged(str(manifest), f"its manifest does not list {path.name!r}")
+        if reason := file_damage(path, recorded[path.name]):
+            raise Damaged(str(path), reason)
+    elif place.rank == 0:
+        warn_user(unverified_warning(path, manifest), RuntimeWarning)
+    return read_state(path, device)
+
+
+def _after_choice(directory: Path, path: Path, keep: object, seen: dict[Path, str]) -> None:
+    """Rank 0, once every rank read ``path``: prune by its ``keep``, note the newest seen."""
     if isinstance(keep, int) and keep >= 1:
         with contextlib.suppress(OSError):  # a read-only directory still loads
             prune(directory, keep, path)
@@ -265,7 +321,6 @@ def _choose(directory: Path, seen: dict[Path, str]) -> Path | None:
     present = checkpoint_paths(directory)[:1]
     newest = present[0] if present and number_of(present[0]) > number_of(path) else path
     seen[directory] = newest.name
-    return path
 
 
 def _load_stateful(what: str, item: Any, state: dict[str, Any], where: str) -> None:

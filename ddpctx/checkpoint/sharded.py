@@ -10,7 +10,9 @@ in the same sequence: ``checkpoint-000008-epoch3-step120.dcp/``. It holds
   size, the meta, every rank's random state, every loader's position, and the
   scheduler, AMP scaler and ``extra`` states (the same on every rank);
 - ``ddpctx.sums``, written by rank 0 last: every other file's size and
-  CRC-32 (:mod:`ddpctx.checkpoint.sums`; each rank reads back its own shards).
+  CRC-32, and of each shard the CRC-32 of every entry DCP wrote into it
+  (:mod:`ddpctx.checkpoint.sums`; each rank reads back its own shards once,
+  checksumming them whole and entry by entry).
 
 Atomic: every rank writes into ``.<name>.<host>.<pid>.<random>.tmp/``; once
 DCP's save has returned on every rank (its metadata file is written after
@@ -21,12 +23,13 @@ that is never chosen (and that a later save removes once its writer is
 provably gone), so the previous checkpoint stays the newest loadable one.
 ``keep=N`` prunes the older directories, never the newest that loads.
 
-Loading picks the newest directory whose ``ddpctx.pt`` and DCP metadata are
-there and whose files match its manifest (an incomplete or damaged one is
-skipped with a warning naming the file), loads the shards into
-the model and optimizer at *this* world size, and restores the rest exactly
-as :mod:`ddpctx.checkpoint.resume` does for single-file checkpoints. All
-ranks must see the same directory (a shared file system across nodes).
+Loading is :mod:`ddpctx.checkpoint.shardload`: the newest directory that is
+whole as every rank reads it (each rank verifies the files and entries it
+reads itself; an incomplete or damaged one is skipped on every rank, with a
+warning naming the file and the rank), its shards loaded into the model and
+optimizer at *this* world size, the rest restored exactly as
+:mod:`ddpctx.checkpoint.resume` does for single-file checkpoints. All ranks
+must see the same directory (a shared file system across nodes).
 
 Example:
     >>> is_sharded(torch.nn.Linear(2, 1))
@@ -38,7 +41,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,30 +54,33 @@ from ddpctx.checkpoint.files import (
     FORMAT,
     RefusedCheckpoint,
     bare,
-    check_world_size,
-    load_file,
     probe,
 )
 from ddpctx.checkpoint.meta import plain_meta
-from ddpctx.checkpoint.resume import Gather, _check_extra, derived_seed
-from ddpctx.checkpoint.schedules import check_scheduler
+from ddpctx.checkpoint.resume import Gather, _check_extra
 from ddpctx.checkpoint.shardfiles import (
     STATE_FILE,
-    newest_checkpoint_dir,
     newest_is_sharded,
     next_checkpoint_dir,
     prune_dirs,
 )
-from ddpctx.checkpoint.sums import SHARDED_MANIFEST, FileSum, file_sum, write_manifest
+from ddpctx.checkpoint.sums import (
+    SHARDED_MANIFEST,
+    FileSum,
+    Recorded,
+    file_record,
+    file_sum,
+    write_manifest,
+)
 from ddpctx.checkpoint.writefailures import as_os_error, is_write_failure
 from ddpctx.checkpoint.writerlock import Claims
-from ddpctx.data.book import LoaderBook, saved_loaders
+from ddpctx.data.book import LoaderBook
 from ddpctx.parallel.sharding import sharding_of
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.reduce.objects import all_gather_objects
 from ddpctx.utils.atomic import atomic_save, fsync_directory, temporary_name
 from ddpctx.utils.identity import Place
-from ddpctx.utils.seeding import rng_state, seed_everything, set_rng_state
+from ddpctx.utils.seeding import rng_state
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -104,13 +110,19 @@ def _refuse_sharded_extra(extra: dict[str, Any]) -> None:
             )
 
 
-def dcp_save(state: dict[str, Any], checkpoint_id: Path) -> Any:
-    """DCP's ``save``, imported when first used (DCP costs about a second of import time)."""
+def dcp_save(
+    state: dict[str, Any], checkpoint_id: Path, written: list[tuple[str, int, int]]
+) -> Any:
+    """DCP's ``save``, imported when first used (DCP costs about a second of import time).
+
+    ``written`` receives this rank's entries (file name, offset, length).
+    """
     from torch.distributed.checkpoint.state_dict_saver import save
 
     from ddpctx.checkpoint.shardwriter import Writer
 
-    return save(state, checkpoint_id=checkpoint_id, storage_writer=Writer(checkpoint_id))
+    writer = Writer(checkpoint_id, written)
+    return save(state, checkpoint_id=checkpoint_id, storage_writer=writer)
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -133,6 +145,7 @@ class Prepared:
     final: Path
     keep: int
     state: dict[str, Any]  # ddpctx.pt: everything but the shards, captured at the save call
+    written: list[tuple[str, int, int]] = field(default_factory=list)  # this rank's entries
 
 
 def prepare(
@@ -191,18 +204,26 @@ def prepare(
     return Prepared(directory, Path(temporary), Path(final), keep, state)
 
 
-def confirm_parts(place: Place, prepared: Prepared) -> list[dict[str, FileSum]]:
+def confirm_parts(place: Place, prepared: Prepared) -> list[dict[str, Recorded]]:
     """Every rank's word that its shards are written, with their sizes and CRCs (collective).
 
-    Each rank reads back the files it wrote (DCP names them ``__<rank>_*``).
-    A rank that died cannot answer: the gather then fails on the others, and
-    nothing is published.
+    Each rank reads back the files it wrote (DCP names them ``__<rank>_*``),
+    once, checksumming each whole file and each entry DCP wrote into it (what
+    a loading rank verifies as it reads the entries it needs). A rank that
+    died cannot answer: the gather then fails on the others, and nothing is
+    published.
     """
-    mine = {path.name: file_sum(path) for path in prepared.temporary.glob(f"__{place.rank}_*")}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for name, offset, length in prepared.written:
+        spans.setdefault(name, []).append((offset, length))
+    mine = {
+        path.name: file_record(path, spans.get(path.name, ()))
+        for path in prepared.temporary.glob(f"__{place.rank}_*")
+    }
     return [mine] if place.world_size == 1 else all_gather_objects(mine)
 
 
-def finish(place: Place, prepared: Prepared, parts: list[dict[str, FileSum]]) -> Path:
+def finish(place: Place, prepared: Prepared, parts: list[dict[str, Recorded]]) -> Path:
     """Once every rank confirmed its shards (``parts``), rank 0 seals and renames (collective)."""
     if len(parts) != place.world_size:
         raise RuntimeError(
@@ -226,7 +247,7 @@ def finish(place: Place, prepared: Prepared, parts: list[dict[str, FileSum]]) ->
     return Path(path)
 
 
-def seal(prepared: Prepared, sums: dict[str, FileSum]) -> None:
+def seal(prepared: Prepared, sums: dict[str, FileSum | Recorded]) -> None:
     """Rank 0: write ``ddpctx.pt``, check that it loads, write the manifest, sync the directory."""
     temporary = prepared.temporary
     atomic_save(prepared.state, temporary / STATE_FILE, partial(sums.__setitem__, STATE_FILE))
@@ -288,7 +309,7 @@ def save(
         claims=claims,
     )
     try:
-        dcp_save(sharded_state(model, optimizer), checkpoint_id=prepared.temporary)
+        dcp_save(sharded_state(model, optimizer), prepared.temporary, prepared.written)
     except BaseException as error:  # DCP raises on every rank when any rank's write failed
         abandon(place, prepared)
         if is_write_failure(error):  # a BaseException: an OSError naming the path instead
@@ -300,93 +321,3 @@ def save(
         abandon(place, prepared)
         raise
     return finish(place, prepared, parts)
-
-
-def load(
-    place: Place,
-    device: torch.device,
-    loaders: LoaderBook,
-    base_seed: int | None,
-    directory: Path,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    scaler: Any,
-    extra: dict[str, Any] | None,
-    allow_world_size_change: bool,
-    rank_state: dict[str, Any] | None = None,
-    newest_seen: dict[Path, str] | None = None,  # single-file checkpoints' writer check
-) -> dict[str, Any] | None:
-    """Restore the newest sharded checkpoint; its meta (None when there is none at all).
-
-    Loaders made by ``ctx.dataloader`` (now or later) get their saved positions
-    through ``loaders``.
-    """
-    extra = _check_extra(extra)
-    _refuse_sharded_extra(extra)
-    rank_state = perrank.check_rank_state(rank_state)
-    _, chosen = on_rank_zero(place, lambda: newest_checkpoint_dir(directory), broadcast=True)
-    if chosen is None:
-        return None
-    path = Path(chosen)
-    state = load_file(path / STATE_FILE, device, weights_only=True)
-    changed = check_world_size(state, path, place.world_size, allow_world_size_change)
-    saved = saved_loaders(state.get("loaders") or [])
-    if changed:
-        check_scheduler(scheduler, state.get("scheduler"), saved, place.world_size, repr(str(path)))
-    if optimizer is not None and not state["optimizer_saved"]:
-        raise ValueError(
-            f"{str(path)!r} was saved without an optimizer, so its state cannot be restored. "
-            "Leave optimizer= out of this load_checkpoint (a fresh optimizer), or resume from a "
-            "checkpoint saved with one."
-        )
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    shards = sharded_state(model, optimizer)  # this world size's layout; DCP reshards into it
-    dcp_load(shards, checkpoint_id=path)
-    set_state_dict(
-        model,
-        [] if optimizer is None else [optimizer],
-        model_state_dict=shards["model"],
-        optim_state_dict=shards.get("optimizer", {}),
-    )
-    _restore_replicated(state, path, scheduler, scaler, extra)
-    step = state.get("step")
-    where = repr(str(path))
-    watch = None
-    if changed:
-        seed = base_seed if base_seed is not None else state.get("base_seed") or 0
-        fresh = derived_seed(seed, place.rank, step or 0, place.world_size)
-        perrank.reseed(rank_state, fresh, where, int(state["world_size"]))
-        seed_everything(fresh)
-    else:
-        saved_ranks = state.get("rank_state") or []
-        mine = saved_ranks[place.rank] if saved_ranks else {}
-        watch = perrank.restore(rank_state, mine, where).check
-        set_rng_state(state["rng"][place.rank])
-    loaders.restore(saved, before_resumed_pass=watch)
-    meta: dict[str, Any] = dict(state["meta"])
-    if step is not None:
-        meta["step"] = step
-    return meta
-
-
-def _restore_replicated(
-    state: dict[str, Any], path: Path, scheduler: Any, scaler: Any, extra: dict[str, Any]
-) -> None:
-    """Scheduler, scaler and ``extra``: rank 0's states, the same on every rank."""
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state["scaler"] is not None:
-        scaler.load_state_dict(state["scaler"])
-    saved_extra = state["extra"]
-    for name, item in extra.items():
-        if name not in saved_extra:
-            raise ValueError(
-                f"{str(path)!r} holds no extra state {name!r} (it has "
-                f"{sorted(saved_extra) or 'none'}); it was saved without it. Leave {name!r} out "
-                "of extra= for this resume, or start a new run."
-            )
-        bare(item).load_state_dict(saved_extra[name])

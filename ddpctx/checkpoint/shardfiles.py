@@ -7,6 +7,15 @@ numbered in the same sequence as the files, complete when DCP's
 ``.metadata`` and ddpctx's ``ddpctx.pt`` are both there and every file
 matches the checksum manifest ``ddpctx.sums`` (:mod:`ddpctx.checkpoint.sums`).
 
+- :func:`candidates`: what rank 0 lists for ``load_checkpoint`` (names only:
+  each rank then verifies its own copy, :mod:`ddpctx.checkpoint.shardload`).
+- :func:`newest_checkpoint_dir` / :func:`complete`: the choice for one
+  process that reads the whole checkpoint (``load_weights``): every file
+  verified, DCP's ``.metadata`` unpickled restricted
+  (:mod:`ddpctx.checkpoint.dcpread`; one carrying code is an error).
+- :func:`prune_dirs` reads no shard to decide what counts as loading
+  (:func:`loads`).
+
 Example:
     >>> checkpoint_dirs(Path("/nonexistent"))
     []
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ddpctx.checkpoint.files import (
@@ -29,11 +39,18 @@ from ddpctx.checkpoint.files import (
     quietly,
     refuse_a_file,
 )
-from ddpctx.checkpoint.sums import SHARDED_MANIFEST, intact
+from ddpctx.checkpoint.sums import (
+    SHARDED_MANIFEST,
+    Damaged,
+    found_damaged,
+    intact,
+    sizes_differ,
+)
 from ddpctx.utils.atomic import is_abandoned
 from ddpctx.utils.warn import warn_user
 
 STATE_FILE = "ddpctx.pt"
+METADATA_FILE = ".metadata"
 _NAME = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.dcp$")
 
 
@@ -59,53 +76,49 @@ def next_checkpoint_dir(directory: Path, epoch: object = None, step: int | None 
     return next_name(directory, epoch, step, ".dcp")
 
 
+def lacks_files(path: Path) -> bool:
+    """Whether the directory lacks ``ddpctx.pt`` or DCP's ``.metadata`` (warned: it is skipped)."""
+    missing = [name for name in (STATE_FILE, METADATA_FILE) if not (path / name).is_file()]
+    if not missing:
+        return False
+    names = " and ".join(f"DCP's {n}" if n == METADATA_FILE else n for n in missing)
+    warn_user(
+        f"skipping {str(path)!r}: it lacks {names} (incomplete, or altered after it was "
+        "written); trying an older checkpoint.",
+        RuntimeWarning,
+    )
+    return True
+
+
 def complete(path: Path) -> bool:
     """Whether the directory holds a whole, undamaged checkpoint; warns (and says why) if not.
 
-    The checksums are verified before anything in it is unpickled.
+    For one process that reads the whole checkpoint (``load_weights``): every
+    file is verified against the manifest before anything in it is unpickled,
+    and DCP's ``.metadata`` is unpickled restricted (a refused one is an error).
     """
-    missing = [name for name in (STATE_FILE, ".metadata") if not (path / name).is_file()]
-    if missing:
-        names = " and ".join(f"DCP's {n}" if n == ".metadata" else n for n in missing)
+    from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+
+    if lacks_files(path):
+        return False
+    manifest = path / SHARDED_MANIFEST
+    if not intact(manifest, path, (STATE_FILE, METADATA_FILE), path):
+        return False
+    try:
+        metadata = read_metadata(path / METADATA_FILE, None)  # its bytes verified just now
+    except Damaged as error:
         warn_user(
-            f"skipping {str(path)!r}: it lacks {names} (incomplete, or altered after it was "
-            "written); trying an older checkpoint.",
+            f"skipping {str(path)!r}: it is torn: {error.reason}; trying an older checkpoint.",
             RuntimeWarning,
         )
         return False
-    if not (path / SHARDED_MANIFEST).exists() and (why := short_shard(path)):
+    if not manifest.exists() and (why := short_shard(path, metadata)):
         warn_user(
             f"skipping {str(path)!r}: it is torn: {why}; trying an older checkpoint.",
             RuntimeWarning,
         )
         return False
-    if not intact(path / SHARDED_MANIFEST, path, (STATE_FILE, ".metadata"), path):
-        return False
     return probe(path / STATE_FILE) is not None
-
-
-def short_shard(path: Path) -> str | None:
-    """Without a manifest: a shard shorter than DCP's ``.metadata`` says it is; None if none is.
-
-    DCP reads ``.metadata`` with pickle when it loads, so reading it here trusts nothing more.
-    """
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as error:
-        return f"its .metadata cannot be read ({type(error).__name__}: {str(error)[:200]})"
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        shard = path / name
-        seen = shard.stat().st_size if shard.is_file() else None
-        if seen is None or seen < size:
-            have = "is missing" if seen is None else f"has {seen} bytes"
-            return f"{name!r} {have}, and DCP's .metadata needs {size}"
-    return None
 
 
 def newest_is_sharded(directory: Path) -> bool:
@@ -120,37 +133,19 @@ def newest_is_sharded(directory: Path) -> bool:
 def newest_checkpoint_dir(directory: Path) -> Path | None:
     """The newest complete sharded checkpoint; None when there is no checkpoint at all.
 
-    A single-file checkpoint newer than it (the run went on unsharded) is an
+    For one process that reads the whole checkpoint (every file verified). A
+    single-file checkpoint newer than it (the run went on unsharded) is an
     error: loading the older sharded one would silently go back in time.
     """
     refuse_a_file(directory)
     found = checkpoint_dirs(directory)
+    files = [path.name for path in checkpoint_paths(directory)]
     for path in found:
         if complete(path):
-            newer = [f for f in checkpoint_paths(directory) if number_of(f) > number_of(path)]
-            if newer:
-                raise RefusedCheckpoint(
-                    f"{str(directory)!r}: the newest checkpoint, {newer[0].name}, is a "
-                    f"single-file checkpoint written from an unsharded model, newer than the "
-                    f"newest sharded one ({path.name}), and this model is sharded. Load it into "
-                    "the unsharded model (then ctx.shard it and save again), or move the newer "
-                    "files away to resume from the sharded checkpoint."
-                )
+            refuse_newer_file(directory, path, files)
             return path
-    if found:
-        raise RuntimeError(
-            f"{str(directory)!r} holds {len(found)} sharded checkpoint(s) "
-            f"({', '.join(p.name for p in found[:5])}) and none of them loads (each is torn or "
-            "damaged: see the warnings). Refusing to start over silently: restore a good "
-            "checkpoint, or move the directory away to start a new run."
-        )
-    files = checkpoint_paths(directory)
-    if files:
-        raise RefusedCheckpoint(
-            f"{str(directory)!r} holds only single-file checkpoints ({files[0].name}, ...), "
-            "written from an unsharded model, and this model is sharded. Load it into the "
-            "unsharded model first (then ctx.shard it and save again), or use another directory."
-        )
+    if found or files:
+        raise none_loads(directory, [path.name for path in found], files)
     return None
 
 
@@ -175,5 +170,74 @@ def prune_dirs(directory: Path, keep: int, newest_good: Path) -> None:
 
 
 def loads(path: Path) -> bool:
-    """Whether the sharded checkpoint ``path`` is complete and matches its manifest (no warning)."""
-    return quietly(complete, path)
+    """Whether the sharded checkpoint ``path`` counts as one that loads, for pruning (no warning).
+
+    Reads none of its shards: its files are there, at their recorded sizes, its
+    ``ddpctx.pt`` reads (memory-mapped), and no load in this process found it damaged.
+    """
+    return quietly(_looks_whole, path)
+
+
+def _looks_whole(path: Path) -> bool:
+    if found_damaged(path) or lacks_files(path):
+        return False
+    manifest = path / SHARDED_MANIFEST
+    if manifest.exists():
+        if sizes_differ(manifest, path, (STATE_FILE, METADATA_FILE)) is not None:
+            return False
+    else:
+        from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+
+        try:
+            if short_shard(path, read_metadata(path / METADATA_FILE, None)):
+                return False
+        except Damaged:
+            return False
+    return probe(path / STATE_FILE) is not None
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What rank 0 sees in a checkpoint directory for a sharded load (names, newest first)."""
+
+    dirs: list[str]  # sharded checkpoints with ddpctx.pt and .metadata, to try in turn
+    found: list[str]  # every sharded checkpoint directory, whole or not
+    files: list[str]  # single-file checkpoints
+
+
+def candidates(directory: Path) -> Candidates:
+    """The sharded checkpoints to try, newest first (those lacking files skipped, warned)."""
+    refuse_a_file(directory)
+    found = checkpoint_dirs(directory)
+    dirs = [path.name for path in found if not lacks_files(path)]
+    files = [path.name for path in checkpoint_paths(directory)]
+    return Candidates(dirs, [path.name for path in found], files)
+
+
+def refuse_newer_file(directory: Path, chosen: Path, files: list[str]) -> None:
+    """A single-file checkpoint newer than the sharded one ``chosen`` is an error (see below)."""
+    newer = [name for name in files if number_of(Path(name)) > number_of(chosen)]
+    if newer:
+        raise RefusedCheckpoint(
+            f"{str(directory)!r}: the newest checkpoint, {newer[0]}, is a "
+            f"single-file checkpoint written from an unsharded model, newer than the "
+            f"newest sharded one ({chosen.name}), and this model is sharded. Load it into "
+            "the unsharded model (then ctx.shard it and save again), or move the newer "
+            "files away to resume from the sharded checkpoint."
+        )
+
+
+def none_loads(directory: Path, found: list[str], files: list[str]) -> Exception:
+    """The error when no sharded checkpoint in ``directory`` loads (``found``: their names)."""
+    if found:
+        return RuntimeError(
+            f"{str(directory)!r} holds {len(found)} sharded checkpoint(s) "
+            f"({', '.join(found[:5])}) and none of them loads (each is torn or damaged: see "
+            "the warnings). Refusing to start over silently: restore a good checkpoint, or "
+            "move the directory away to start a new run."
+        )
+    return RefusedCheckpoint(
+        f"{str(directory)!r} holds only single-file checkpoints ({files[0]}, ...), "
+        "written from an unsharded model, and this model is sharded. Load it into the "
+        "unsharded model first (then ctx.shard it and save again), or use another directory."
+    )

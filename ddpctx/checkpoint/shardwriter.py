@@ -79,18 +79,44 @@ class RecordingFileSystem(FileSystem):
 
 
 class Writer(FileSystemWriter):
-    """``FileSystemWriter`` whose failed writes raise the ``OSError`` that caused them."""
+    """``FileSystemWriter`` whose failed writes raise the ``OSError`` that caused them.
 
-    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+    ``written`` (if given) receives each entry written on this rank: its file's
+    name, offset and length (what :func:`~ddpctx.checkpoint.sharded.confirm_parts`
+    checksums one by one).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        written: list[tuple[str, int, int]] | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(path, **options)
         self.fs = RecordingFileSystem()
+        self._written = written
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
-            return super().write_data(plan, planner)
+            future = super().write_data(plan, planner)
         except BaseException as error:
             self._raise_recorded(error)
             raise
+        if self._written is not None:
+            future.add_done_callback(self._record)
+        return future
+
+    def _record(self, future: Future[list[WriteResult]]) -> None:
+        assert self._written is not None
+        try:
+            results = future.value()
+        except BaseException:  # a failed write: DCP reports it; nothing is published
+            return
+        for result in results:
+            info = result.storage_data
+            name = getattr(info, "relative_path", None)
+            if isinstance(name, str):
+                self._written.append((name, int(info.offset), int(info.length)))
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         try:

@@ -177,20 +177,31 @@ def checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
-    """The entries ``keys`` of a sharded checkpoint, whole, in this process (no process group)."""
-    # DCP's own single-process reader (what its dcp_to_torch_save uses): each full tensor
+    """The entries ``keys`` of a sharded checkpoint, whole, in this process (no process group).
+
+    ``checkpoint`` was verified by :func:`resolve` (every file); it is read through
+    ddpctx's reader all the same: ``.metadata`` restricted, every entry ``weights_only``.
+    """
+    # DCP's own single-process reading (what its dcp_to_torch_save does): each full tensor
     # is allocated once from the metadata and every shard read straight into it.
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    from ddpctx.checkpoint.dcpread import Reader, cause_of
+
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=FileSystemReader(str(checkpoint)),
-        planner=_EmptyStateDictLoadPlanner(keys=keys),  # type: ignore[no-untyped-call]
-        no_dist=True,
-    )
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=Reader(checkpoint),
+            planner=_EmptyStateDictLoadPlanner(keys=keys),  # type: ignore[no-untyped-call]
+            no_dist=True,
+        )
+    except CheckpointException as error:  # DCP wraps what its reader raised: say it plainly
+        if (cause := cause_of(error)) is None:
+            raise
+        raise cause from None
     return state
 
 

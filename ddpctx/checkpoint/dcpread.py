@@ -1,0 +1,348 @@
+"""DCP's files read as data, never as code; each entry's bytes verified as they are read.
+
+``torch.distributed.checkpoint`` (DCP) writes a sharded checkpoint's
+``.metadata`` with :mod:`pickle` and its own reader loads it with
+``pickle.load``, which runs whatever a pickle names: a ``.metadata`` carrying
+``os.system`` runs it. It also hands each non-tensor entry of a shard (an
+optimizer's learning rate, say) to ``torch.load(weights_only=False)``. A
+checkpoint is data a run may get from elsewhere (copied from another
+cluster, downloaded), and its checksum manifest is no defence: anyone can
+recompute a CRC. So ddpctx never lets DCP unpickle a checkpoint file:
+
+- :func:`read_metadata` unpickles ``.metadata`` with an unpickler that admits
+  only the classes DCP's metadata is made of (:func:`admitted`: DCP's
+  metadata dataclasses, ``torch.Size``, torch's dtypes and layouts, paths)
+  and refuses any other global -- a callable such as ``os.system``, any other
+  class -- *before* it is called: :class:`~ddpctx.checkpoint.files.RefusedCheckpoint`
+  naming the file and the global. The shard files it names must be plain
+  names inside the checkpoint's directory. Its bytes are first checked
+  against the manifest, when there is one.
+- :class:`Reader` is DCP's ``FileSystemReader`` with that ``.metadata`` and
+  its own ``read_data``: each entry's bytes are read once, their CRC-32
+  compared with the manifest's record of that entry (a rank verifies exactly
+  the bytes it reads, while reading them), then loaded with
+  ``weights_only=True``: a tensor as DCP does, a non-tensor entry only if
+  ``weights_only`` admits it (it reaches DCP's planner re-serialised from
+  plain values). A damaged entry raises
+  :class:`~ddpctx.checkpoint.sums.Damaged`, which DCP's read step reports
+  on every rank at once.
+
+A checkpoint whose manifest predates per-entry records (written by an
+older ddpctx) has each shard file a rank reads verified whole, once,
+before its entries are read. Without a manifest nothing is verified (the
+loader warns), but nothing is unpickled unrestricted either.
+
+This module imports DCP (about a second); its users import it when first needed.
+
+Example:
+    >>> ("torch", "Size") in admitted()
+    True
+    >>> ("os", "system") in admitted()
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pathlib
+import pickle
+from collections import OrderedDict
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from ddpctx.checkpoint.files import RefusedCheckpoint
+from ddpctx.checkpoint.sums import Damaged, Recorded, crc, file_damage, verified_bytes
+
+METADATA_FILE = ".metadata"
+
+_DCP_CLASSES = (
+    "Metadata",
+    "StorageMeta",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "_MEM_FORMAT_ENCODING",
+)
+
+
+@functools.cache
+def admitted() -> dict[tuple[str, str], Any]:
+    """The globals a ``.metadata`` may name, by (module, name): DCP's metadata and plain values."""
+    found: dict[tuple[str, str], Any] = {}
+    for thing in (
+        *(getattr(dcp_metadata, name) for name in _DCP_CLASSES if hasattr(dcp_metadata, name)),
+        _StorageInfo,
+        torch.Size,
+        OrderedDict,
+        pathlib.PosixPath,
+        pathlib.PurePosixPath,
+        pathlib.WindowsPath,
+        pathlib.PureWindowsPath,
+    ):
+        found[(thing.__module__, thing.__qualname__)] = thing
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout)):
+            found[("torch", name)] = value
+    layout = getattr(torch.serialization, "_get_layout", None)
+    if layout is not None:  # how a torch.layout pickles: _get_layout("torch.strided")
+        found[("torch.serialization", "_get_layout")] = layout
+    return found
+
+
+class _Unsafe(Exception):
+    """A global that :func:`admitted` does not list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle`` that resolves only :func:`admitted` globals (and no persistent ids)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = admitted().get((module, name))
+        if found is None:
+            raise _Unsafe(f"{module}.{name}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Unsafe(f"persistent id {pid!r:.60}")
+
+
+def refused(path: Path, what: str) -> RefusedCheckpoint:
+    """The error for a checkpoint file that would run code (or read outside its directory)."""
+    return RefusedCheckpoint(
+        f"{str(path)!r} was refused as unsafe: it holds {what}. No checkpoint ddpctx writes "
+        "holds that, so it was not loaded; nor was it skipped, since loading an older "
+        "checkpoint instead would hide the tampering. Delete the checkpoint or restore it from "
+        "a copy you trust; do not load it elsewhere with pickle or torch.load(weights_only=False)."
+    )
+
+
+def read_metadata(path: Path, recorded: Recorded | None) -> Any:
+    """DCP's ``Metadata`` from ``path``, read once, verified against ``recorded``, restricted.
+
+    :class:`Damaged` when its bytes are not those saved or do not unpickle;
+    ``RefusedCheckpoint`` when it names any global :func:`admitted` does not
+    list, or a shard file outside its directory.
+    """
+    data = verified_bytes(path, recorded)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Unsafe as error:
+        raise refused(
+            path, f"pickled code ({error}), which a general unpickler would run"
+        ) from None
+    except Exception as error:
+        raise Damaged(
+            str(path),
+            f"{path.name!r} does not read as DCP's metadata ({type(error).__name__}: "
+            f"{str(error)[:200]})",
+        ) from None
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(storage, dict):
+        raise Damaged(str(path), f"{path.name!r} is not DCP's metadata")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str):
+            raise Damaged(str(path), f"{path.name!r} lists an entry without a file")
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise refused(path, f"a shard file name outside the checkpoint ({name!r:.80})")
+    return metadata
+
+
+def shard_spans(metadata: Any) -> dict[str, int]:
+    """Each shard file ``metadata`` names -> the bytes it must hold at least."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    return needed
+
+
+def short_shard(path: Path, metadata: Any) -> str | None:
+    """A shard of the checkpoint ``path`` shorter than ``metadata`` says, or missing; else None.
+
+    What tells a torn checkpoint without a manifest (file sizes only; nothing is read).
+    """
+    for name, size in sorted(shard_spans(metadata).items()):
+        try:
+            seen: int | None = (path / name).stat().st_size
+        except FileNotFoundError:
+            seen = None
+        if seen is None or seen < size:
+            have = "is missing" if seen is None else f"has {seen} bytes"
+            return f"{name!r} {have}, and DCP's {METADATA_FILE} needs {size}"
+    return None
+
+
+def cause_of(error: BaseException) -> Damaged | RefusedCheckpoint | None:
+    """The first ``Damaged`` or refusal among a DCP ``CheckpointException``'s failures."""
+    failures = getattr(error, "failures", None)
+    for _, failure in sorted(failures.items()) if isinstance(failures, dict) else ():
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, (Damaged, RefusedCheckpoint)):
+            return cause
+    return None
+
+
+def _weights_only(data: IO[bytes], path: Path, entry: str) -> Any:
+    """``torch.load(weights_only=True)`` of one entry; refused or unreadable, said so."""
+    try:
+        return torch.load(data, map_location="cpu", weights_only=True)
+    except Exception as error:
+        if "Weights only load failed" in str(error):
+            reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+            raise refused(
+                path,
+                f"pickled code in its entry {entry!r} ({reason}), which DCP's loader would run",
+            ) from None
+        raise Damaged(
+            str(path),
+            f"{path.name!r}: its entry {entry!r} cannot be read ({type(error).__name__}: "
+            f"{str(error)[:200]})",
+        ) from None
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The part of a stored chunk a read wants (as DCP's ``narrow_tensor_by_index``)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=False)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class Reader(FileSystemReader):
+    """DCP's file reader: restricted ``.metadata``, each entry verified as read, ``weights_only``.
+
+    ``metadata``: already read by :func:`read_metadata` (None: read it here);
+    ``recorded``: the manifest (None: the checkpoint has none, nothing is verified).
+    """
+
+    def __init__(
+        self, path: str | Path, metadata: Any = None, recorded: dict[str, Recorded] | None = None
+    ) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        self._recorded = recorded
+        self._whole_verified: set[str] = set()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The checkpoint's one ``.metadata`` (ddpctx writes no rank-local ones)."""
+        if kwargs.get("rank") is not None:
+            raise FileNotFoundError("ddpctx checkpoints hold one .metadata, none per rank")
+        if self._metadata is None:
+            where = Path(self.path) / METADATA_FILE
+            record = None if self._recorded is None else self._recorded.get(METADATA_FILE)
+            self._metadata = read_metadata(where, record)
+        metadata = self._metadata
+        storage_meta = getattr(dcp_metadata, "StorageMeta", None)
+        if storage_meta is not None and getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = storage_meta()
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the plan's entries, file by file, each verified and then loaded."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for name, items in per_file.items():
+            self._read_file(Path(self.path) / name, items, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _record_of(self, path: Path) -> Recorded | None:
+        if self._recorded is None:
+            return None
+        record = self._recorded.get(path.name)
+        if record is None:
+            raise Damaged(str(path), f"its manifest does not list {path.name!r}")
+        return record
+
+    def _read_file(self, path: Path, items: list[ReadItem], planner: LoadPlanner) -> None:
+        record = self._record_of(path)
+        parts = (
+            {(offset, length): crc32 for offset, length, crc32 in record.parts} if record else {}
+        )
+        spans = [self.storage_data[item.storage_index] for item in items]
+        if record and any((s.offset, s.length) not in parts for s in spans):
+            self._verify_whole(path, record)  # a manifest without this file's parts
+        try:
+            stream = open(path, "rb")  # noqa: SIM115 -- closed below, after every entry
+        except FileNotFoundError:
+            raise Damaged(str(path), f"{path.name!r} is missing") from None
+        with stream:
+            if record is not None and (size := _size(stream)) != record.size:
+                raise Damaged(
+                    str(path),
+                    f"{path.name!r} has {size} bytes, and {record.size} were saved "
+                    "(torn or truncated)",
+                )
+            for item, info in sorted(zip(items, spans, strict=True), key=lambda i: i[1].offset):
+                stream.seek(info.offset)
+                data = stream.read(info.length)
+                entry = item.storage_index.fqn
+                if len(data) != info.length:
+                    raise Damaged(
+                        str(path),
+                        f"{path.name!r} ends before its entry {entry!r} does (torn or truncated)",
+                    )
+                expected = parts.get((info.offset, info.length))
+                if expected is not None and (seen := crc(data)) != expected:
+                    raise Damaged(
+                        str(path),
+                        f"{path.name!r} bytes {info.offset}-{info.offset + info.length} (entry "
+                        f"{entry!r}) have CRC-32 {seen}, and {expected} was recorded when it "
+                        "was saved",
+                    )
+                self._load(item, info, data, path, planner)
+
+    def _verify_whole(self, path: Path, record: Recorded) -> None:
+        if path.name not in self._whole_verified:
+            if reason := file_damage(path, record):
+                raise Damaged(str(path), reason)
+            self._whole_verified.add(path.name)
+
+    def _load(
+        self, item: ReadItem, info: Any, data: bytes, path: Path, planner: LoadPlanner
+    ) -> None:
+        stream: IO[bytes] = io.BytesIO(data)
+        descriptors = getattr(info, "transform_descriptors", None) or ()
+        transforms = getattr(self, "transforms", None)
+        if descriptors and transforms is not None:
+            stream = transforms.transform_load_stream(item, descriptors, stream)
+            if not stream.seekable():
+                stream = io.BytesIO(stream.read())
+        entry = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            plain = io.BytesIO()
+            torch.save(_weights_only(stream, path, entry), plain)  # DCP unpickles it unrestricted
+            plain.seek(0)
+            planner.load_bytes(item, plain)
+            return
+        tensor = _narrow(_weights_only(stream, path, entry), item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise ValueError(
+                f"{str(path)!r}: its entry {entry!r} holds a tensor of size "
+                f"{tuple(tensor.size())}, and the state being loaded has {tuple(target.size())} "
+                "there. Load it into the model it was saved from (the same shapes)."
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def _size(stream: IO[bytes]) -> int:
+    return os.fstat(stream.fileno()).st_size

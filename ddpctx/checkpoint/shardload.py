@@ -1,0 +1,257 @@
+"""Loading a sharded checkpoint: each rank verifies what it reads, and all load the same one.
+
+The loading side of :mod:`ddpctx.checkpoint.sharded`. Rank 0 lists the
+checkpoint directories (names only: every rank joins them to *its* view of
+the directory) and skips those lacking ``ddpctx.pt`` or DCP's ``.metadata``.
+Then, newest first (:mod:`ddpctx.checkpoint.together`):
+
+1. every rank reads the checkpoint's manifest, ``ddpctx.pt`` (verified, then
+   loaded with ``weights_only=True``) and ``.metadata`` (verified, then
+   unpickled by the restricted unpickler of :mod:`ddpctx.checkpoint.dcpread`;
+   without a manifest, the shard sizes it names are checked too);
+2. one all-gather of what each rank found: damaged or torn on any rank, and
+   every rank goes on to the next older checkpoint; refused as unsafe on any
+   rank, and every rank raises;
+3. DCP reads the shards each rank needs, through the verifying reader: each
+   entry's bytes are checked against the manifest as they are read (each
+   rank verifies exactly the bytes it reads; none reads another's only to
+   verify them), and a damaged entry on any rank fails DCP's read step on
+   every rank, which then goes on to the next older checkpoint together (the
+   model's state is written again by that one).
+
+What is restored, and at which world size, is as before: the shards into the
+model and optimizer at *this* world size (DCP reshards), the rest from
+``ddpctx.pt`` as :mod:`ddpctx.checkpoint.resume` does for single-file
+checkpoints.
+
+This module imports DCP (about a second) when it first loads.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpctx.checkpoint import perrank
+from ddpctx.checkpoint.files import bare, check_world_size, read_state
+from ddpctx.checkpoint.resume import _check_extra, derived_seed
+from ddpctx.checkpoint.schedules import check_scheduler
+from ddpctx.checkpoint.sharded import _refuse_sharded_extra, sharded_state
+from ddpctx.checkpoint.shardfiles import (
+    METADATA_FILE,
+    STATE_FILE,
+    Candidates,
+    candidates,
+    none_loads,
+    refuse_newer_file,
+)
+from ddpctx.checkpoint.sums import (
+    SHARDED_MANIFEST,
+    Damaged,
+    Recorded,
+    Torn,
+    file_damage,
+    read_manifest,
+    unverified_warning,
+)
+from ddpctx.checkpoint.together import dcp_findings, read_together, whole
+from ddpctx.data.book import LoaderBook, saved_loaders
+from ddpctx.rankzero.outcome import on_rank_zero
+from ddpctx.utils.identity import Place
+from ddpctx.utils.seeding import seed_everything, set_rng_state
+from ddpctx.utils.warn import warn_user
+
+
+def read_small(
+    place: Place, path: Path, device: torch.device
+) -> tuple[dict[str, Any], Any, dict[str, Recorded] | None]:
+    """This rank's ``ddpctx.pt`` state, DCP metadata and manifest of ``path``, verified.
+
+    :class:`~ddpctx.checkpoint.sums.Damaged` (or ``Torn``) for a file that is
+    not as saved; ``RefusedCheckpoint`` for one refused as unsafe.
+    """
+    from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+
+    manifest = path / SHARDED_MANIFEST
+    recorded: dict[str, Recorded] | None = None
+    if manifest.exists():
+        found = read_manifest(manifest)
+        if isinstance(found, str):
+            raise Damaged(str(manifest), found)
+        for name in (STATE_FILE, METADATA_FILE):
+            if name not in found:
+                raise Damaged(str(manifest), f"its manifest does not list {name!r}")
+        recorded = found
+        if reason := file_damage(path / STATE_FILE, found[STATE_FILE]):
+            raise Damaged(str(path / STATE_FILE), reason)
+    elif place.rank == 0:
+        warn_user(unverified_warning(path, manifest), RuntimeWarning)
+    state = read_state(path / STATE_FILE, device)
+    record = None if recorded is None else recorded[METADATA_FILE]
+    metadata = read_metadata(path / METADATA_FILE, record)
+    if recorded is None and (why := short_shard(path, metadata)):
+        raise Torn(str(path), why)
+    return state, metadata, recorded
+
+
+def load(
+    place: Place,
+    device: torch.device,
+    loaders: LoaderBook,
+    base_seed: int | None,
+    directory: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    extra: dict[str, Any] | None,
+    allow_world_size_change: bool,
+    rank_state: dict[str, Any] | None = None,
+    newest_seen: dict[Path, str] | None = None,  # single-file checkpoints' writer check
+) -> dict[str, Any] | None:
+    """Restore the newest sharded checkpoint that is whole on every rank; its meta.
+
+    None when there is no checkpoint at all. Loaders made by ``ctx.dataloader``
+    (now or later) get their saved positions through ``loaders``.
+    """
+    extra = _check_extra(extra)
+    _refuse_sharded_extra(extra)
+    rank_state = perrank.check_rank_state(rank_state)
+    _, listed = on_rank_zero(place, partial(candidates, directory), broadcast=True)
+    assert isinstance(listed, Candidates)
+    if not listed.found and not listed.files:
+        return None
+    for name in listed.dirs:
+        path = directory / name
+        attempt = _load_shards(
+            place, device, path, listed, model, optimizer, scheduler, allow_world_size_change
+        )
+        if attempt is not None:
+            state, changed = attempt
+            return _restore_rest(
+                place,
+                state,
+                path,
+                changed,
+                loaders,
+                base_seed,
+                scheduler,
+                scaler,
+                extra,
+                rank_state,
+            )
+    raise none_loads(directory, listed.found, listed.files)
+
+
+def _load_shards(
+    place: Place,
+    device: torch.device,
+    path: Path,
+    listed: Candidates,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    allow_world_size_change: bool,
+) -> tuple[dict[str, Any], bool] | None:
+    """``path``'s shards loaded into ``model``/``optimizer``; its ``ddpctx.pt`` and whether the
+    world size changed. None (on every rank) when some rank found it damaged or torn.
+    """
+    manifest = path / SHARDED_MANIFEST
+    whole_here, small = read_together(
+        place, path, manifest, partial(read_small, place, path, device)
+    )
+    if not whole_here:
+        return None
+    assert small is not None
+    state, metadata, recorded = small
+    refuse_newer_file(path.parent, path, listed.files)
+    changed = check_world_size(state, path, place.world_size, allow_world_size_change)
+    if changed:
+        saved = saved_loaders(state.get("loaders") or [])
+        check_scheduler(scheduler, state.get("scheduler"), saved, place.world_size, repr(str(path)))
+    if optimizer is not None and not state["optimizer_saved"]:
+        raise ValueError(
+            f"{str(path)!r} was saved without an optimizer, so its state cannot be restored. "
+            "Leave optimizer= out of this load_checkpoint (a fresh optimizer), or resume from a "
+            "checkpoint saved with one."
+        )
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from ddpctx.checkpoint.dcpread import Reader
+
+    shards = sharded_state(model, optimizer)  # this world size's layout; DCP reshards into it
+    try:
+        dcp_load(shards, checkpoint_id=path, storage_reader=Reader(path, metadata, recorded))
+    except CheckpointException as error:  # raised on every rank, with every rank's failure
+        findings = dcp_findings(error)
+        if not findings:
+            raise
+        whole(place, path, manifest, findings)  # refused: raises; damaged: warns
+        return None
+    set_state_dict(
+        model,
+        [] if optimizer is None else [optimizer],
+        model_state_dict=shards["model"],
+        optim_state_dict=shards.get("optimizer", {}),
+    )
+    return state, changed
+
+
+def _restore_rest(
+    place: Place,
+    state: dict[str, Any],
+    path: Path,
+    changed: bool,
+    loaders: LoaderBook,
+    base_seed: int | None,
+    scheduler: Any,
+    scaler: Any,
+    extra: dict[str, Any],
+    rank_state: dict[str, Any],
+) -> dict[str, Any]:
+    """Everything but the shards, from ``ddpctx.pt``; the meta ``load_checkpoint`` returns."""
+    _restore_replicated(state, path, scheduler, scaler, extra)
+    step = state.get("step")
+    where = repr(str(path))
+    watch = None
+    if changed:
+        seed = base_seed if base_seed is not None else state.get("base_seed") or 0
+        fresh = derived_seed(seed, place.rank, step or 0, place.world_size)
+        perrank.reseed(rank_state, fresh, where, int(state["world_size"]))
+        seed_everything(fresh)
+    else:
+        saved_ranks = state.get("rank_state") or []
+        mine = saved_ranks[place.rank] if saved_ranks else {}
+        watch = perrank.restore(rank_state, mine, where).check
+        set_rng_state(state["rng"][place.rank])
+    loaders.restore(saved_loaders(state.get("loaders") or []), before_resumed_pass=watch)
+    meta: dict[str, Any] = dict(state["meta"])
+    if step is not None:
+        meta["step"] = step
+    return meta
+
+
+def _restore_replicated(
+    state: dict[str, Any], path: Path, scheduler: Any, scaler: Any, extra: dict[str, Any]
+) -> None:
+    """Scheduler, scaler and ``extra``: rank 0's states, the same on every rank."""
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    saved_extra = state["extra"]
+    for name, item in extra.items():
+        if name not in saved_extra:
+            raise ValueError(
+                f"{str(path)!r} holds no extra state {name!r} (it has "
+                f"{sorted(saved_extra) or 'none'}); it was saved without it. Leave {name!r} out "
+                "of extra= for this resume, or start a new run."
+            )
+        bare(item).load_state_dict(saved_extra[name])

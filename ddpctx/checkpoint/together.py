@@ -1,0 +1,156 @@
+"""Which checkpoint every rank loads: each rank verifies what it reads, one gather decides.
+
+Every rank reads a checkpoint from its own view of the file system -- another
+host's disk, another node's cache of a shared one -- so a copy damaged on
+one host is seen by the rank there alone. Loading therefore goes, for each
+checkpoint from the newest:
+
+1. every rank reads the files it needs itself and verifies them as it
+   reads them (:mod:`ddpctx.checkpoint.sums`); no rank reads another
+   rank's files only to verify them;
+2. the ranks exchange what they found in **one small all-gather** (a
+   :class:`Finding` or None each): a damaged or torn file on any rank makes
+   every rank skip the checkpoint together and try the next older one --
+   rank 0 warns naming the file and the rank that found it, and that rank
+   warns too; a file refused as unsafe on any rank (pickled code) is an
+   error on every rank, never a silent skip.
+
+A sharded checkpoint's shards are read after that agreement, by DCP, whose
+read step gathers every rank's outcome anyway: a damaged entry on one rank
+fails that step on every rank at once, and :func:`dcp_findings` turns it
+into the same findings (no further collective).
+
+This module knows ranks only through a :class:`~ddpctx.utils.identity.Place`.
+
+Example:
+    >>> finding_of(Damaged("/c/a.pt", "'a.pt' is missing"))
+    Finding(kind='damaged', file='/c/a.pt', message="'a.pt' is missing")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from ddpctx.checkpoint.files import RefusedCheckpoint
+from ddpctx.checkpoint.sums import Damaged, Torn, damaged_warning, remember_damaged
+from ddpctx.reduce.objects import all_gather_objects
+from ddpctx.utils.identity import Place
+from ddpctx.utils.warn import warn_user
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one rank found wrong reading a checkpoint: ``kind`` of ``file``, and why."""
+
+    kind: str  # "damaged", "torn", "refused", or "failed" (any other error)
+    file: str
+    message: str
+
+
+def finding_of(error: BaseException) -> Finding | None:
+    """The finding an error of reading a checkpoint stands for; None for any other error."""
+    if isinstance(error, Torn):
+        return Finding("torn", error.file, error.reason)
+    if isinstance(error, Damaged):
+        return Finding("damaged", error.file, error.reason)
+    if isinstance(error, RefusedCheckpoint):
+        return Finding("refused", "", str(error))
+    return None
+
+
+def read_together(
+    place: Place, where: Path, manifest: Path, read: Callable[[], T]
+) -> tuple[bool, T | None]:
+    """``read()`` on every rank (its own files), then one gather: whether ``where`` is whole.
+
+    (True, its value) when no rank found anything; (False, None) on every rank
+    when some rank found a file damaged or torn (warned, see :func:`whole`).
+    Refused on any rank: ``RefusedCheckpoint`` on every rank; another error on
+    some rank: that error there, and a ``RuntimeError`` naming it on the others
+    (never a rank left waiting in the gather).
+    """
+    found: Finding | None = None
+    value: T | None = None
+    failure: Exception | None = None
+    try:
+        value = read()
+    except (Damaged, RefusedCheckpoint) as error:
+        found = finding_of(error)
+    except Exception as error:
+        failure = error
+        found = Finding("failed", "", f"{type(error).__name__}: {error}")
+    findings = agree(place, found)
+    if failure is not None:
+        raise failure
+    if not whole(place, where, manifest, findings):
+        return False, None
+    return True, value
+
+
+def agree(place: Place, mine: Finding | None) -> dict[int, Finding]:
+    """Every rank's finding, rank -> finding, for the ranks that found one (one all-gather)."""
+    everyone = [mine] if place.world_size == 1 else all_gather_objects(mine)
+    return {rank: found for rank, found in enumerate(everyone) if found is not None}
+
+
+def dcp_findings(error: BaseException) -> dict[int, Finding]:
+    """The findings in DCP's ``CheckpointException`` (the same on every rank); {} if none."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return {}
+    found: dict[int, Finding] = {}
+    for rank, failure in failures.items():
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, BaseException) and (finding := finding_of(cause)) is not None:
+            found[int(rank)] = finding
+    return found
+
+
+def whole(place: Place, where: Path, manifest: Path, findings: dict[int, Finding]) -> bool:
+    """Whether ``where`` may be loaded, given every rank's ``findings`` (the same on every rank).
+
+    Refused on any rank: :class:`RefusedCheckpoint` on every rank. Damaged or torn
+    on any: False on every rank, with a warning on rank 0 and on each rank that
+    found it, naming the file and the rank.
+    """
+    if not findings:
+        return True
+    failed = sorted((rank, f) for rank, f in findings.items() if f.kind == "failed")
+    if failed:
+        rank, finding = failed[0]
+        raise RuntimeError(
+            f"rank {rank} failed to read {str(where)!r} ({finding.message}), so no rank loads "
+            "it; see that rank's error."
+        )
+    refused = sorted((rank, f) for rank, f in findings.items() if f.kind == "refused")
+    if refused:
+        rank, finding = refused[0]
+        said = finding.message if place.world_size == 1 else f"rank {rank}: {finding.message}"
+        raise RefusedCheckpoint(said)
+    if place.rank == 0:
+        remember_damaged(where)  # pruning will not count it as a checkpoint that loads
+    if place.rank == 0 or place.rank in findings:
+        rank = place.rank if place.rank in findings else min(findings)
+        warn_user(_skipped(where, manifest, findings, rank, place.world_size), RuntimeWarning)
+    return False
+
+
+def _skipped(
+    where: Path, manifest: Path, findings: dict[int, Finding], rank: int, world_size: int
+) -> str:
+    """The warning: the finding of ``rank``, naming the ranks unless every rank found it."""
+    finding = findings[rank]
+    others = sorted(set(findings) - {rank})
+    also = f"; rank(s) {', '.join(map(str, others))} found it too" if others else ""
+    found_by = None if len(findings) == world_size else rank  # every rank: nothing to tell
+    if finding.kind != "torn":
+        return damaged_warning(where, finding.message, manifest, found_by, also)
+    by = "" if found_by is None else f" (found by rank {found_by}, reading its copy{also})"
+    return (
+        f"skipping {str(where)!r}: it is torn: {finding.message}{by}; trying an older checkpoint."
+    )
