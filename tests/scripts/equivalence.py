@@ -33,7 +33,10 @@ same model as the guides' idiom:
   with ``ctx.log`` at every micro-step (another model: compare it with the
   same shape uninterrupted);
 - ``config``: ``ctx.log_config`` right after ``load_checkpoint``, as the guide
-  orders them.
+  orders them;
+- ``compile``: the model compiled by ``ctx.wrap``/``ctx.shard`` (``compile=``,
+  AOTAutograd without inductor's code generation, which computes bit for bit
+  what eager mode does), as nanoGPT compiles its model.
 
 ``--reference`` instead trains the same model in one plain process without
 ddpctx or torch.distributed, in float64, reading each step's global batch
@@ -117,7 +120,7 @@ def reference(out: Path) -> None:
 
 
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
-SHAPES = ("raw", "logsavelog", "ownbatch", "accum", "config")
+SHAPES = ("raw", "logsavelog", "ownbatch", "accum", "config", "compile")
 LOGGED_SHAPES = {"logsavelog", "accum", "config"}  # shapes that need the loggers
 
 
@@ -153,7 +156,11 @@ def train_cell(
     loggers = ("jsonl", "csv", "tensorboard") if shapes & LOGGED_SHAPES else None
     with distributed(seed=SEED, precision=precision, log_dir=log_dir, loggers=loggers) as ctx:
         model = make_model()
-        model = ctx.wrap(model) if mode == "wrap" else ctx.shard(model, blocks=[nn.Linear])
+        compile = {"backend": "aot_eager"} if "compile" in shapes else False
+        if mode == "wrap":
+            model = ctx.wrap(model, compile=compile)
+        else:
+            model = ctx.shard(model, blocks=[nn.Linear], compile=compile)
         start = ctx.full_state_dict(model)
         optimizer = make_optimizer(model)
         if stream:
