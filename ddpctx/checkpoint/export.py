@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ddpctx.checkpoint.files import ANY_NAME
-from ddpctx.checkpoint.weights import load_weights, meta_of, resolve
+from ddpctx.checkpoint.weights import meta_of, one_checkpoint, read_newest, weights_of
 from ddpctx.utils.atomic import atomic_save, temporary_name
 
 EXPORT_FORMAT = "ddpctx-export-1"
@@ -52,14 +52,15 @@ def export_checkpoint(
     target = Path(out)
     as_safetensors = safetensors or target.suffix == ".safetensors"
     save_file = _safetensors_writer() if as_safetensors else None  # refused before reading
-    chosen = resolve(checkpoint)
-    if chosen is None:
+    where = Path(checkpoint)
+    _refuse_a_checkpoint_name(target, where.parent if one_checkpoint(where) else where)
+    found = read_newest(where, lambda chosen: (weights_of(chosen)[0], meta_of(chosen)))
+    if found is None:
         raise FileNotFoundError(
             f"{str(checkpoint)!r} holds no checkpoint to export. Pass the directory given to "
             "ctx.save_checkpoint after a save, or one checkpoint in it."
         )
-    _refuse_a_checkpoint_name(target, chosen.parent)
-    weights, meta = load_weights(chosen), meta_of(chosen)
+    chosen, (weights, meta) = found
     target.parent.mkdir(parents=True, exist_ok=True)
     if save_file is None:
         state = {"format": EXPORT_FORMAT, "model": weights, "meta": meta, "checkpoint": chosen.name}

@@ -25,6 +25,17 @@ model, from :mod:`ddpctx.checkpoint.files` and :mod:`ddpctx.checkpoint.shardfile
 A checkpoint named directly is verified too; a damaged one is an error naming
 the damage (there is no older one to fall back to: you chose it).
 
+Beside a running job (:func:`read_newest`): a job that saves with ``keep=``
+removes its older checkpoints while a reader may be reading one. A read of a
+directory whose failure or "skipping" warnings coincide with the directory's
+checkpoints changing (one published, one removed) was overtaken by the
+writer: its warnings are dropped (the checkpoint was removed, not damaged)
+and the read starts over on the newest checkpoint, at most
+:data:`ATTEMPTS` times. A read the directory did not change under is
+reported as before. A checkpoint named directly that is removed while it is
+read is a ``FileNotFoundError`` naming it. Only ddpctx's errors escape: a
+failure inside DCP's reader is a ``RuntimeError`` naming the checkpoint.
+
 Example:
     >>> import tempfile
     >>> checkpoint_meta(tempfile.mkdtemp()) is None
@@ -34,9 +45,11 @@ Example:
 from __future__ import annotations
 
 import os
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 
@@ -44,11 +57,14 @@ from ddpctx.checkpoint.files import (
     ANY_NAME,
     FORMAT,
     RefusedCheckpoint,
+    checkpoint_paths,
     newest_checkpoint,
     probe,
 )
 from ddpctx.checkpoint.shardfiles import (
+    METADATA_FILE,
     STATE_FILE,
+    checkpoint_dirs,
     complete,
     newest_checkpoint_dir,
     newest_is_sharded,
@@ -56,9 +72,13 @@ from ddpctx.checkpoint.shardfiles import (
 from ddpctx.checkpoint.sums import intact, sidecar
 from ddpctx.utils.warn import warn_user
 
-__all__ = ["checkpoint_meta", "chosen_checkpoint", "load_weights", "resolve"]
+__all__ = ["checkpoint_meta", "chosen_checkpoint", "load_weights", "read_newest", "resolve"]
 
 Weights = dict[str, torch.Tensor]
+T = TypeVar("T")
+
+#: How many times a read of a directory that a running job changed under it starts over.
+ATTEMPTS = 8
 
 
 def chosen_checkpoint(directory: Path) -> Path | None:
@@ -172,8 +192,8 @@ def checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     >>> checkpoint_meta(folder)
     {'model_args': {'n_in': 3}, 'step': 7}
     """
-    checkpoint = resolve(directory)
-    return None if checkpoint is None else meta_of(checkpoint)
+    found = read_newest(directory, meta_of)
+    return None if found is None else found[1]
 
 
 def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
@@ -188,20 +208,29 @@ def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from ddpctx.checkpoint.dcpread import Reader, cause_of
+    from ddpctx.checkpoint.dcpread import Reader, cause_of, read_metadata
 
+    # Read here, not by DCP: DCP logs a traceback for a .metadata it cannot read (pruned by
+    # a writer), then looks for per-rank ones and fails on that instead.
+    metadata = read_metadata(checkpoint / METADATA_FILE, None)  # verified by resolve
     state: dict[str, Any] = {}
     try:
         _load_state_dict(
             state,
-            storage_reader=Reader(checkpoint),
+            storage_reader=Reader(checkpoint, metadata),
             planner=_EmptyStateDictLoadPlanner(keys=keys),  # type: ignore[no-untyped-call]
             no_dist=True,
         )
     except CheckpointException as error:  # DCP wraps what its reader raised: say it plainly
-        if (cause := cause_of(error)) is None:
-            raise
-        raise cause from None
+        if (cause := cause_of(error)) is not None:
+            raise cause from None
+        failures = getattr(error, "failures", None) or {}
+        said = "; ".join(f"{type(f).__name__}: {f}" for f in failures.values()) or str(error)
+        raise RuntimeError(
+            f"{str(checkpoint)!r} could not be read by DCP ({said[:300]}). If a job is "
+            "writing this directory, read it again (or pass the directory, whose newest "
+            "checkpoint is read)."
+        ) from None
     return state
 
 
@@ -249,26 +278,92 @@ def load_weights(
     >>> sorted(load_weights(folder))
     ['bias', 'weight']
     """
-    checkpoint = resolve(path)
-    if checkpoint is None:
+    found = read_newest(path, lambda checkpoint: weights_of(checkpoint, optimizer=optimizer))
+    if found is None:
         raise FileNotFoundError(
             f"{str(path)!r} holds no checkpoint (or does not exist). Pass the directory given "
             "to ctx.save_checkpoint after a save, or one checkpoint file."
         )
+    weights, optimizer_state = found[1]
+    return (weights, optimizer_state) if optimizer_state is not None else weights
+
+
+def weights_of(
+    checkpoint: Path, *, optimizer: bool = False
+) -> tuple[Weights, dict[str, Any] | None]:
+    """The full state dict of the one ``checkpoint``, and (``optimizer=True``) the optimizer's."""
     if checkpoint.is_dir():
         small = _small_state(checkpoint)
         if optimizer and not small.get("optimizer_saved"):
             raise _no_optimizer(checkpoint)
         state = _sharded(checkpoint, {"model", "optimizer"} if optimizer else {"model"})
         weights: Weights = dict(state.get("model", {}))
-        return (weights, _numbered(state["optimizer"])) if optimizer else weights
+        return weights, _numbered(state["optimizer"]) if optimizer else None
     state = _small_state(checkpoint)
     weights = dict(state["model"])
     if not optimizer:
-        return weights
+        return weights, None
     if state.get("optimizer") is None:
         raise _no_optimizer(checkpoint)
     return weights, state["optimizer"]
+
+
+def listing(directory: Path) -> tuple[str, ...]:
+    """The names of the checkpoints in ``directory``, files and folders (what a writer changes)."""
+    return tuple(p.name for p in (*checkpoint_paths(directory), *checkpoint_dirs(directory)))
+
+
+def one_checkpoint(where: Path) -> bool:
+    """Whether ``where`` names one checkpoint (a ``.pt`` or ``.dcp``), not their directory."""
+    return where.suffix in (".pt", ".dcp") and bool(ANY_NAME.match(where.name))
+
+
+def read_newest(path: str | os.PathLike[str], read: Callable[[Path], T]) -> tuple[Path, T] | None:
+    """``read`` of the checkpoint :func:`resolve` chooses, started over if a writer overtook it.
+
+    (the checkpoint, what ``read`` returned); None when there is no checkpoint. See the
+    module docstring: a directory changed under a read that failed or skipped a
+    checkpoint is read again, quietly, on its newest checkpoint.
+    """
+    where = Path(path)
+    directory = where.parent if one_checkpoint(where) else where
+    for attempt in range(ATTEMPTS):
+        before, existed = listing(directory), where.exists()
+        failure: Exception | None = None
+        result: tuple[Path, T] | None = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                chosen = resolve(where)
+                result = None if chosen is None else (chosen, read(chosen))
+            except RefusedCheckpoint:
+                raise  # what it holds is refused, whoever writes beside it
+            except (OSError, RuntimeError) as error:
+                failure = error
+        moved = (failure is not None or bool(caught)) and listing(directory) != before
+        if moved and directory is where:
+            time.sleep(0.01 * (attempt + 1))  # let the writer's pruning finish
+            continue  # overtaken by the writer: the newest checkpoint, again
+        if failure is not None and directory is not where and existed:
+            if moved:
+                time.sleep(0.1)  # a folder being removed may still be there for a moment
+            if not where.exists():
+                raise FileNotFoundError(
+                    f"{str(where)!r} was removed while it was read: a job saving to "
+                    f"{str(directory)!r} with keep= pruned it (or it was deleted). Pass the "
+                    "directory to read its newest checkpoint, or copy the checkpoint first."
+                ) from None
+        for warning in caught:
+            warn_user(warning.message, warning.category)
+        if failure is not None:
+            raise failure
+        return result
+    raise RuntimeError(
+        f"{str(directory)!r} changed under each of {ATTEMPTS} reads of its newest checkpoint: "
+        "the job writing it saves, and prunes (keep=), faster than one checkpoint is read. "
+        "Read it again, save with a larger keep= (each checkpoint then outlives a read), or "
+        "copy a checkpoint out of the directory and read the copy."
+    )
 
 
 def _no_optimizer(checkpoint: Path) -> ValueError:
