@@ -440,3 +440,73 @@ def test_a_disk_that_fills_up_mid_run_leaves_no_torn_line_and_names_the_file(
     assert f"dropped the logger JsonlLogger('{tmp_path / 'log' / 'metrics.jsonl'}')" in (
         done.stdout
     ), done.stdout
+
+
+class ResumeFirstLogger:
+    """A tracker whose run is opened by ``resume()``: any call before it would fail."""
+
+    def __init__(self, calls: list[Any]) -> None:
+        self.calls = calls
+
+    def resume(self, step: int | None) -> None:
+        self.calls.append(("resume", step))
+        self.points: dict[int, Any] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.calls.append(("log", step))
+        self.points[step] = metrics
+
+    def flush(self) -> None:
+        self.calls.append(("flush", len(self.points)))
+
+
+def test_a_save_before_the_resumed_blocks_first_point_calls_no_logger_before_resume(
+    tmp_path: Path,
+) -> None:
+    """Save, then log (a documented order): the resumed block's first save flushes nothing."""
+    calls: list[Any] = []
+    model = nn.Linear(2, 1)
+    checkpoints = tmp_path / "checkpoints"
+    for attempt in range(2):
+        calls.append(f"attempt {attempt}")
+        logger = ResumeFirstLogger(calls)
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            distributed(log_dir=tmp_path / "log", loggers=(logger,)) as ctx,
+        ):
+            warnings.simplefilter("always")
+            wrapped = ctx.wrap(model)
+            meta = ctx.load_checkpoint(checkpoints, model=wrapped) if attempt else None
+            for step in range(meta["step"] if meta else 0, 4):
+                if step == 2:
+                    ctx.save_checkpoint(checkpoints, model=wrapped, step=step)
+                ctx.log({"loss": float(step + 10 * attempt)}, step=step)
+        assert not [w for w in caught if "dropped" in str(w.message)], caught
+    resumed = calls[calls.index("attempt 1") + 1 :]
+    assert resumed[0] == ("resume", 1), resumed  # before anything else; the points at 2 go
+    assert ("log", 2) in resumed
+    assert ("log", 3) in resumed
+
+
+def test_a_logger_may_say_how_long_a_call_takes_before_it_counts_as_stuck() -> None:
+    """A tracker's first call imports its package and reaches its server: 10 s is too short."""
+    release = threading.Event()
+
+    class Slow:
+        stuck_after_s = 60.0
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            release.wait(5)
+
+    patient, default = lanes.Lane(Slow()), lanes.Lane(Slow())
+    default._stuck_after = 0.1  # as if 10 s had gone by for a logger that says nothing
+    try:
+        for lane in (patient, default):
+            lane.put("metrics", (0, {"x": 1.0}))
+        time.sleep(0.5)
+        assert not patient.stuck
+        assert default.stuck
+    finally:
+        release.set()
+        for lane in (patient, default):
+            lane.put("close", None)

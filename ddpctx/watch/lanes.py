@@ -11,8 +11,10 @@ call at a time, in the order the commands came. Contract:
   written within about a second.
 - A logger that raises is dropped with a warning naming it (its path, for a
   built-in) and the error; the lane keeps draining so that nobody waits on it.
-- A lane whose logger has been inside one call for :data:`STUCK_S` or more is
-  *stuck*: a checkpoint's flush and the end of the block stop waiting for it
+- A lane whose logger has been inside one call for :data:`STUCK_S` or more
+  (or the logger's own ``stuck_after_s``: a tracker that imports its package
+  and talks to a server in its first call says a longer time) is *stuck*: a
+  checkpoint's flush and the end of the block stop waiting for it
   (warning once, naming that logger only), and points for it beyond
   :data:`QUEUE_LIMIT` are counted, not queued (nor are markers that would
   follow them), so training never waits on it.
@@ -54,6 +56,7 @@ class Lane:
         self.lost = 0  # points never queued because the logger was stuck
         self._queue: queue.Queue[_Command] = queue.Queue(QUEUE_LIMIT)
         self._busy_since: float | None = None
+        self._stuck_after = float(getattr(logger, "stuck_after_s", STUCK_S))
         self._thread = threading.Thread(
             target=self._run, name=f"ddpctx-log-{type(logger).__name__}", daemon=True
         )
@@ -62,7 +65,7 @@ class Lane:
     @property
     def stuck(self) -> bool:
         since = self._busy_since
-        return since is not None and time.monotonic() - since >= STUCK_S
+        return since is not None and time.monotonic() - since >= self._stuck_after
 
     @property
     def alive(self) -> bool:

@@ -59,6 +59,11 @@ MLFLOW_BATCH = 1000
 MLFLOW_PARAM_BATCH = 100
 
 
+#: A tracker's patience (``stuck_after_s``): importing mlflow or wandb alone took 9 s on a
+#: loaded 2-core machine, and their servers answer over the network.
+TRACKER_PATIENCE_S = 120.0
+
+
 def require(package: str, logger: str) -> None:
     """Refuse at once, naming the extra, when ``package`` is not installed (it is not imported).
 
@@ -145,6 +150,10 @@ class MLflowLogger:
     checkpoint and the end of the block. The run ends ``FINISHED`` with the
     block (a failed block too: the protocol does not say why it ends).
     """
+
+    #: How long one call may take before the trail counts this logger as stuck and stops
+    #: waiting for it: its first call imports the package and talks to the server.
+    stuck_after_s = TRACKER_PATIENCE_S
 
     def __init__(
         self,
@@ -312,6 +321,10 @@ class WandbLogger:
     that refuses makes ``wandb.init`` raise, and the trail then drops this
     logger with a warning that names the error (the other loggers go on).
     """
+
+    #: How long one call may take before the trail counts this logger as stuck and stops
+    #: waiting for it: its first call imports the package and talks to the server.
+    stuck_after_s = TRACKER_PATIENCE_S
 
     def __init__(
         self,

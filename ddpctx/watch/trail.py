@@ -12,7 +12,9 @@ and ``save_checkpoint`` within a step:
 
 - A checkpoint first *flushes* the trail (every logger has written and
   ``flush()``-ed what was logged), then records the last step logged. What a
-  checkpoint covers is durable before the checkpoint exists.
+  checkpoint covers is durable before the checkpoint exists. A checkpoint
+  before the block's first point flushes nothing: no logger is called before
+  it has been told how the trail starts (``resume``).
 - A ``load_checkpoint`` before this block's first ``ctx.log`` is a *resume*:
   before anything else is written, every logger is told ``resume(step)``.
   When the block's first point comes after the checkpoint's step ``N``, the
@@ -230,7 +232,12 @@ class _Writer:
         elif kind == "flush":
             for lane in self.lanes:
                 done = threading.Event()
-                lane.put("flush", done)
+                if self._mode is None:
+                    # Nothing reached the loggers yet (a save before this block's first
+                    # point): nothing to flush, and a resumed logger hears resume() first.
+                    done.set()
+                else:
+                    lane.put("flush", done)
                 payload.markers.append((lane, done))
             payload.dispatched.set()
         elif kind == "close":
