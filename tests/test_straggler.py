@@ -9,6 +9,7 @@ a loop that reads its own batches. The slow tier runs whole jobs beside a CPU ho
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -155,6 +156,29 @@ def test_settings_refuse_a_busy_tick_and_the_environment_a_word_it_does_not_know
         resolve_straggler(True, {"DDPCTX_STRAGGLER": "maybe"})
     assert resolve_straggler(True, {"DDPCTX_STRAGGLER": "1"}) == StragglerSettings()
     assert resolve_straggler(True, {"DDPCTX_STRAGGLER": "off"}) is None
+
+
+@given(
+    name=st.sampled_from(["threshold", "min_ms", "tick_s"]),
+    value=st.sampled_from([math.nan, math.inf, -math.inf, -1e-9]),
+)
+def test_settings_refuse_numbers_that_are_not_finite_or_below_zero(name: str, value: float) -> None:
+    """A NaN tick spun the publishing thread and crashed every rank's exit in ``join``."""
+    with pytest.raises(ValueError, match=rf"StragglerSettings\({name}=.*finite number"):
+        StragglerSettings(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("word", "on"),
+    [
+        *[(w, False) for w in ("0", "false", "off", "No ")],
+        *[(w, True) for w in ("", "1", "true", "ON", "yes")],
+    ],
+)
+def test_the_environment_switch_takes_the_words_the_guide_lists(word: str, on: bool) -> None:
+    from ddpctx.watch.straggler import resolve_straggler
+
+    assert (resolve_straggler(True, {"DDPCTX_STRAGGLER": word}) is not None) is on
 
 
 # -- the clock: accumulation and loops of their own batches --------------------------------
@@ -413,3 +437,22 @@ def test_a_steadily_slow_rank_is_reported_once_per_every_and_never_cleared(phase
         assert set(named) == {(1, phase)}, reports
         assert len(reports) <= steps // STEADY.every + 1, reports  # not flapping
         assert not any("caught up" in report for report in reports), reports
+
+
+@pytest.mark.parametrize("steps", [(1,), (1, 2, 3), 5, "1-2", (2, 1), (-1, 2)])
+def test_profile_steps_that_are_not_a_pair_of_step_numbers_are_refused_naming_them(
+    steps: object, tmp_path: Path
+) -> None:
+    with (
+        distributed(log_dir=tmp_path) as ctx,
+        pytest.raises(ValueError, match=r"ctx\.profile\(steps=.*a pair of step numbers"),
+    ):
+        ctx.profile(steps=steps)  # type: ignore[arg-type]
+
+
+def test_a_profile_variable_with_an_empty_rank_list_is_refused() -> None:
+    from ddpctx.watch.profiling import parse_profile_env
+
+    with pytest.raises(ValueError, match=r"DDPCTX_PROFILE='1-2@'.*@RANKS"):
+        parse_profile_env("1-2@", 2)
+    assert parse_profile_env("1-2@1", 2) == ((1, 2), (1,))

@@ -52,10 +52,10 @@ def parse_profile_env(
     ValueError: DDPCTX_PROFILE='x': expected FIRST-LAST steps, optionally @RANKS, e.g. 10-12@0,1.
     """
     try:
-        steps, _, ranks = value.strip().partition("@")
+        steps, at, ranks = value.strip().partition("@")
         first, _, last = steps.partition("-")
         span = (int(first), int(last or first))
-        chosen = tuple(int(r) for r in ranks.split(",")) if ranks else None
+        chosen = tuple(int(r) for r in ranks.split(",")) if ranks or at else None
     except ValueError:
         raise ValueError(
             f"{ENV}={value!r}: expected FIRST-LAST steps, optionally @RANKS, e.g. 10-12@0,1."
@@ -116,7 +116,8 @@ class Profiling:
         world_size: int | None = None,
     ) -> None:
         if steps is not None:
-            first, last = steps
+            pair = tuple(steps) if isinstance(steps, (tuple, list)) else ()
+            first, last = pair if len(pair) == 2 else (None, None)
             if not (isinstance(first, int) and isinstance(last, int) and 0 <= first <= last):
                 raise ValueError(
                     f"ctx.profile(steps={steps!r}): a pair of step numbers (first, last) with "

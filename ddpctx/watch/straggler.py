@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -102,10 +103,15 @@ class StragglerSettings:
                 )
         for name in ("threshold", "min_ms", "tick_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise ValueError(
-                    f"StragglerSettings({name}={value!r}): a number of at least 0 is needed "
-                    f"(defaults: threshold=0.2, min_ms=5.0, tick_s=1.0)."
+                    f"StragglerSettings({name}={value!r}): a finite number of at least 0 is "
+                    f"needed (defaults: threshold=0.2, min_ms=5.0, tick_s=1.0)."
                 )
         if self.tick_s < MIN_TICK_S:
             raise ValueError(
