@@ -310,3 +310,23 @@ def test_an_old_path_lists_its_names_and_refuses_unknown_ones() -> None:
     assert old.__all__ == sorted(moved_names("ddpctx.wire"))
     with pytest.raises(AttributeError, match=r"'ddpctx\.wire' has no attribute 'nope'"):
         old.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("package", ["ddpctx.checkpoint", "ddpctx.data", "ddpctx.rankzero"])
+def test_a_star_import_of_a_package_that_replaced_an_old_module_brings_its_names(
+    package: str,
+) -> None:
+    """``from ddpctx.checkpoint import *`` gave the old module's names; it still does, warning."""
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    from {package} import *\n"
+        "print(sorted(n for n in dir() if not n.startswith('_')), len(caught))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    names, warned = eval(result.stdout.strip().rpartition(" ")[0]), int(result.stdout.split()[-1])
+    expected = set(moved_names(package))
+    assert expected <= set(names), sorted(expected - set(names))
+    assert warned == len(expected)

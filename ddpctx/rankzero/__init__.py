@@ -15,6 +15,7 @@ with a ``DeprecationWarning`` naming their new home.
 
 from __future__ import annotations
 
-from ddpctx.utils.moved import moved_attributes
+from ddpctx.utils.moved import moved_attributes, old_names
 
 __getattr__ = moved_attributes(__name__)
+__all__ = old_names(__name__)  # a star import still brings the old module's names

@@ -14,7 +14,8 @@ paths below ``ddpctx.``. Two mechanisms serve it, both reading that table:
   ``sys.meta_path`` (so a real module of that name always wins);
 - a package that replaced an old module of the same name (``ddpctx.rankzero``,
   ``ddpctx.data``, ``ddpctx.checkpoint``) gets the old module's names through a
-  module ``__getattr__`` from :func:`moved_attributes`.
+  module ``__getattr__`` from :func:`moved_attributes`, and lists them in its
+  ``__all__`` (:func:`old_names`), so a star import still brings them.
 
 >>> import warnings
 >>> with warnings.catch_warnings(record=True) as caught:
@@ -187,6 +188,15 @@ def moved_names(old: str) -> dict[str, str]:
     """
     homes = OLD_PATHS[old.removeprefix("ddpctx.")]
     return {name: f"ddpctx.{home}" for home, names in homes.items() for name in names.split()}
+
+
+def old_names(package: str) -> list[str]:
+    """The names ``from package import *`` gives: the old module's, each warning when taken.
+
+    >>> old_names("ddpctx.rankzero")[:3]
+    ['Outcome', 'Place', 'RankZeroError']
+    """
+    return sorted(moved_names(package))
 
 
 def _public(name: str) -> bool:
