@@ -66,6 +66,7 @@ import contextlib
 import functools
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -264,13 +265,9 @@ class StepClock:
             register_optimizer_step_pre_hook,
         )
 
-        # Run as plain Python in a compiled model (compile=): a hook dynamo traced would
-        # break its graph at every forward (threading.get_ident is opaque to it).
-        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def pre(*_: Any) -> None:
             self.enter()
 
-        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def post(*_: Any) -> None:
             self.leave()
             self.optimizer_stepped()
@@ -305,15 +302,18 @@ class StepClock:
         if not isinstance(model, nn.Module):
             return
 
-        # Run as plain Python in a compiled model (compile=): a hook dynamo traced would
-        # break its graph at every forward (threading.get_ident is opaque to it).
-        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def pre(*_: Any) -> None:
             self.enter()
 
-        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def post(*_: Any) -> None:
             self.leave()
+
+        if "torch._dynamo" in sys.modules:  # the model is compiled (compile=): dynamo is loaded
+            # Run as plain Python in the compiled forward: a hook dynamo traced would break
+            # its graph at every call (threading.get_ident is opaque to it). Only then:
+            # importing dynamo costs seconds and imports FSDP2 with it.
+            disable = torch.compiler.disable
+            pre, post = disable(pre), disable(post)  # type: ignore[no-untyped-call]
 
         handles = [
             model.register_forward_pre_hook(pre),
