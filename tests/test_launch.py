@@ -170,8 +170,10 @@ def test_a_warm_pools_store_does_not_keep_the_keys_of_every_task_it_ran() -> Non
 
     with RankPool(2) as pool:
         counts = [pool.run(keys_in_the_pools_store)[0] for _ in range(30)]
-    # Each trivial task writes about ten keys; those of finished tasks are deleted.
-    assert max(counts[10:]) <= max(counts[:10]), counts
+    # Each trivial task writes about ten keys; those of finished tasks are deleted. A key
+    # or two of the straggler watcher's last tick may land after a task's clean-up on a
+    # busy machine (CI saw 23 against 22): a leak would add ten a task, 200 by the end.
+    assert max(counts[10:]) <= max(counts[:10]) + 5, counts
 
 
 def test_each_task_of_a_warm_pool_sees_a_store_of_its_own() -> None:

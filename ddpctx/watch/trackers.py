@@ -36,6 +36,9 @@ Example:
     ['mlflow', 'wandb']
     >>> record_path(tempfile.gettempdir(), "mlflow").name
     'mlflow-run.json'
+
+Why one module: the two loggers share the run record in ``log_dir``, the
+package check and the flattening of a config; each alone is about 150 lines.
 """
 
 from __future__ import annotations
