@@ -23,6 +23,7 @@ most that long.
 
 from __future__ import annotations
 
+import abc
 import csv
 import io
 import json
@@ -40,18 +41,19 @@ REWRITE_EVERY_S = 1.0
 Point = tuple[int, dict[str, float]]
 
 
-class FileLogger:
+class FileLogger(abc.ABC):
     """A built-in logger: batches of points, a pending part that :meth:`tick` writes."""
 
     path: Path
 
+    @abc.abstractmethod
     def write_points(self, points: list[Point]) -> None:
-        raise NotImplementedError
+        """Write one batch of points, each line whole (jsonl: a line a point; csv: a row)."""
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.write_points([(step, metrics)])
 
-    def tick(self) -> None:
+    def tick(self) -> None:  # noqa: B027 (a default: only the csv holds rows back)
         """Write what waits (the csv's rows behind a header rewrite), if its time has come."""
 
     def __repr__(self) -> str:
