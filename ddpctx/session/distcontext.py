@@ -97,6 +97,7 @@ class DistContext(
         self._writer_claims = Claims()  # checkpoint directories rank 0 holds; let go at the end
         self._precision = precision or Precision("32", device.type)
         self._mesh = None
+        self._parallel_meshes = {}
         self._scaler = None
 
     def __repr__(self) -> str:
