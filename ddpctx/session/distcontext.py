@@ -9,7 +9,7 @@ Each face lives beside the subsystem it fronts and is a thin layer over it:
 - :class:`~ddpctx.data.faces.DataFaces`: ``dataloader``, ``epochs``.
 - :class:`~ddpctx.parallel.faces.ModelFaces`: ``wrap``, ``shard``, ``unwrap``, ``no_sync``,
   ``accumulate``, ``precision``, ``autocast``, ``scaler``, ``clip_grad_norm_``,
-  ``full_state_dict``.
+  ``full_state_dict``, ``mesh``, ``parallel_mesh``.
 - :class:`~ddpctx.checkpoint.faces.CheckpointFaces`: ``save``, ``load``,
   ``save_checkpoint``, ``load_checkpoint``.
 - :class:`~ddpctx.watch.faces.WatchFaces`: ``log``, ``log_config``, ``timings``, ``profile``.
