@@ -7,18 +7,27 @@ the slow tier pays for two 4-rank jobs and one 4-rank pool test in all.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.data import IterableDataset
 
 from ddpctx import DistContext, RankZeroError, distributed, load_weights
 from ddpctx.checkpoint.export import export_checkpoint
+from ddpctx.parallel.tensorparallel import check_plan
 from tests.test_equivalence import (
     KILL_AFTER,
     TOLERANCE,
@@ -60,6 +69,49 @@ def test_a_plan_key_that_names_no_submodule_is_refused_naming_it(key: str) -> No
     )
     with distributed() as ctx, refused:
         ctx.shard(mlp(0), tp_plan={key: ColwiseParallel()}, tp_size=1)
+
+
+class Recorded(ParallelStyle):
+    """A style that only records which modules torch's parallelize_module applies it to."""
+
+    def __init__(self, seen: list[nn.Module]) -> None:
+        self.seen = seen
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        self.seen.append(module)
+        return module
+
+
+NAMES = st.sampled_from(["a", "b", "ab", "0", "1", "10"])
+
+
+@st.composite
+def trees(draw: st.DrawFn, depth: int = 0) -> nn.Module:
+    module = nn.Module()
+    for name in draw(st.lists(NAMES, max_size=0 if depth == 2 else 3, unique=True)):
+        module.add_module(name, draw(trees(depth + 1)))
+    return module
+
+
+KEYS = st.lists(st.sampled_from(["a", "b", "ab", "0", "1", "*", "?", "[01]", "a*"]), min_size=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=trees(), atoms=KEYS)
+def test_a_plan_key_is_refused_exactly_when_torch_would_apply_it_to_nothing(
+    tree: nn.Module, atoms: list[str]
+) -> None:
+    key = ".".join(atoms)
+    seen: list[nn.Module] = []
+    with distributed() as ctx, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns for what it skips
+        parallelize_module(tree, ctx.mesh, {key: Recorded(seen)})
+    try:
+        check_plan(tree, {key: Recorded([])}, tp_size=1)
+    except ValueError:
+        assert not seen, f"{key!r} refused, but torch applies it to {len(seen)} modules"
+    else:
+        assert seen, f"{key!r} accepted, but torch applies it to nothing"
 
 
 def test_a_plan_without_a_size_a_size_without_a_plan_and_a_bad_style_are_refused() -> None:

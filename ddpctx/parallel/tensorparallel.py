@@ -64,7 +64,7 @@ def check_tp_size(tp_size: object, world_size: int) -> int:
     >>> check_tp_size(3, world_size=4)
     Traceback (most recent call last):
     ...
-    ValueError: tp_size=3 does not divide the world size 4 ...
+    ValueError: tp_size=3 does not divide the world size 4: ...
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(
@@ -75,8 +75,8 @@ def check_tp_size(tp_size: object, world_size: int) -> int:
         raise ValueError(
             f"tp_size={tp_size} does not divide the world size {world_size}: the mesh is "
             f"(data={world_size}//tp_size, tensor=tp_size), so data x tensor must equal "
-            f"{world_size}. Start {tp_size} x N ranks (torchrun --nproc_per_node), or pass a "
-            f"tp_size that divides {world_size}."
+            f"{world_size}. Start a multiple of {tp_size} ranks (torchrun --nproc_per_node), or "
+            f"pass a tp_size that divides {world_size}."
         )
     return tp_size
 
@@ -106,7 +106,7 @@ def check_plan(model: nn.Module, plan: object, tp_size: object) -> dict[str, Any
     >>> check_plan(model, {"1": ColwiseParallel()}, tp_size=2)
     Traceback (most recent call last):
     ...
-    ValueError: tp_plan key '1' names no submodule of Sequential ...
+    ValueError: tp_plan key '1' names no submodule of Sequential: ...
     """
     if plan is None:
         if tp_size is not None:
