@@ -137,6 +137,29 @@ def test_tp_size_1_shards_as_ctx_shard_does_without_a_plan() -> None:
         assert ctx.mesh.ndim == 1  # ctx.mesh stays the one-dimensional mesh
 
 
+def test_a_checkpoint_records_one_loader_position_per_tensor_parallel_group() -> None:
+    # Before: one position per global rank (4), for a loader dealt to 2 data ranks, so the
+    # resume took the world-size change path and read other samples (0.04 off at 2 x 2).
+    from ddpctx.data.book import LoaderBook
+    from ddpctx.data.dataloader import make_dataloader
+
+    book = LoaderBook()
+    loader = make_dataloader(
+        list(range(16)), 2, shuffle=True, pad=True, base_seed=0, rank=0, world_size=2,
+        loader_kwargs={},
+    )  # fmt: skip
+    book.add(loader)
+    next(iter(loader))
+    (key, mine), = book.snapshot()  # fmt: skip
+    epoch, consumed, complete, done = mine
+    peer = (key, (epoch, consumed + 1, complete, done))  # data rank 1 read one batch more
+    (record,) = book.records([[(key, mine)], [(key, mine)], [peer], [peer]])
+    assert record["world_size"] == 2
+    assert record["consumed"] == [consumed, consumed + 1]
+    with pytest.raises(ValueError, match=r"tensor-parallel group 1 read the loader"):
+        book.records([[(key, mine)], [(key, mine)], [peer], [(key, mine)]])
+
+
 # --- 2 x 2 ranks --------------------------------------------------------------------------
 
 
