@@ -144,13 +144,11 @@ def test_a_checkpoint_records_one_loader_position_per_tensor_parallel_group() ->
     from ddpctx.data.dataloader import make_dataloader
 
     book = LoaderBook()
-    loader = make_dataloader(
-        list(range(16)), 2, shuffle=True, pad=True, base_seed=0, rank=0, world_size=2,
-        loader_kwargs={},
-    )  # fmt: skip
+    dealt = {"shuffle": True, "pad": True, "base_seed": 0, "rank": 0, "world_size": 2}
+    loader = make_dataloader(list(range(16)), 2, loader_kwargs={}, **dealt)  # type: ignore[arg-type]
     book.add(loader)
     next(iter(loader))
-    (key, mine), = book.snapshot()  # fmt: skip
+    ((key, mine),) = book.snapshot()
     epoch, consumed, complete, done = mine
     peer = (key, (epoch, consumed + 1, complete, done))  # data rank 1 read one batch more
     (record,) = book.records([[(key, mine)], [(key, mine)], [peer], [peer]])
