@@ -27,14 +27,15 @@ reads them; torch itself only warns and skips), every value is a
 still checked, so the script stays right at any size).
 
 What was measured on torch 2.13, CPU and gloo, at 2 x 2 ranks: the mesh,
-``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` /
-``SequenceParallel``, ``fully_shard(mesh=mesh["dp"])`` over it, training,
-``get_model_state_dict(full_state_dict=True)`` and ``dcp.save``/``dcp.load``
-all work. torch's ``clip_grad_norm_`` does not: parameters a plan leaves out
-live on the ``"dp"`` mesh, planned ones on the ``("dp", "tp")`` mesh, and
-``torch.stack`` of their norms raises "All operands in aten.stack.default
-must have the same mesh"; :mod:`ddpctx.parallel.clipping` takes each mesh's
-norm apart and combines them.
+``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (and
+``SequenceParallel`` applied, not trained), ``fully_shard(mesh=mesh["dp"])``
+over it, training, ``get_model_state_dict(full_state_dict=True)`` and
+``dcp.save``/``dcp.load`` all work. torch's ``clip_grad_norm_`` does not:
+parameters a plan leaves out live on the ``"dp"`` mesh, planned ones on
+the ``("dp", "tp")`` mesh, and ``torch.stack`` of their norms raises "All
+operands in aten.stack.default must have the same mesh";
+:mod:`ddpctx.parallel.clipping` takes each mesh's norm apart and combines
+them.
 
 This module knows torch and nothing of the context.
 
