@@ -2,7 +2,9 @@
 
 One small training script (tests/scripts/equivalence.py) runs as a float64
 single-process reference without ddpctx, and with ddpctx as ``ctx.wrap`` and
-``ctx.shard``, at every CPU ``precision=``, at 1 to 3 ranks, uninterrupted and
+``ctx.shard``, at every CPU ``precision=``, at 1 to 3 ranks, and with tensor
+parallel at 2 x 2 ranks (``tp:32``: ``ctx.shard(tp_plan=, tp_size=2)``, whose
+kill-and-resume test is in tests/test_tensor_parallel.py), uninterrupted and
 SIGKILLed-and-resumed under ``torchrun --max-restarts=1`` (sync and async
 saves, 0 and 2 loader workers). The global batch is fixed (12 samples split
 over the ranks), so every world size reads the same batches in the same order.
@@ -65,6 +67,10 @@ MODES = ("wrap", "shard")
 CELLS = [f"{mode}:{precision}" for mode in MODES for precision in PRECISIONS]
 CELLS += [f"{mode}:32:stream" for mode in MODES]  # the same samples from an IterableDataset
 WORLD_SIZES = (1, 2, 3)  # 3: DDP rebuilds its buckets differently from 3 ranks on
+#: Tensor parallel (2 ranks per layer, FSDP2 over the other 2) runs at 4 ranks only: at 2
+#: there is no data axis left, and 4 ranks on 2 cores cost ~12 s per run.
+TP_RUNS = [("tp:32", 4)]
+RUNS = [(cell, world_size) for cell in CELLS for world_size in WORLD_SIZES] + TP_RUNS
 SAVE_EVERY = 5
 KILL_AFTER = 12  # checkpoints every 5 steps, 24 steps in all: resumed from step 10 (or 5)
 
@@ -113,14 +119,10 @@ def bit_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -
 
 
 def every_cell(test: Callable[..., None]) -> Callable[..., None]:
-    """One test per cell and world size, in the slow tier."""
-    for mark in (
-        pytest.mark.parametrize("cell", CELLS),
-        pytest.mark.parametrize("world_size", WORLD_SIZES),
-        pytest.mark.slow,
-    ):
-        test = mark(test)
-    return test
+    """One test per cell and world size (:data:`RUNS`), in the slow tier."""
+    ids = [f"{cell}-{world_size}" for cell, world_size in RUNS]
+    test = pytest.mark.parametrize(("cell", "world_size"), RUNS, ids=ids)(test)
+    return pytest.mark.slow(test)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,11 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
         out = root / f"ws{world_size}"
         out.mkdir()
         run_job(out, "--cells", ",".join(CELLS), nproc=world_size)
+        runs[world_size] = out
+    for cell, world_size in TP_RUNS:
+        out = root / f"ws{world_size}"
+        out.mkdir(exist_ok=True)
+        run_job(out, "--cells", cell, nproc=world_size)
         runs[world_size] = out
     runs[0] = root
     return runs

@@ -118,11 +118,12 @@ class LoaderBook:
             if isinstance(loader, StreamLoader):
                 records[key] = stream_record(key, loader, mine)
                 continue
+            mine = _per_data_rank(key, mine, loader.shard.num_replicas)
             records[key] = {
                 "key": key,
                 "description": loader.description,
                 "epoch": mine[0][0],
-                "world_size": len(everyone),
+                "world_size": len(mine),
                 "consumed": [consumed for _, consumed, _, _ in mine],
                 "complete": all(complete for _, _, complete, _ in mine),
                 "done": torch.tensor(list(mine[0][3]), dtype=torch.uint8),
@@ -220,6 +221,27 @@ class LoaderBook:
                 loader.before_resumed_pass = self._before_resumed_pass
             del self._pending[index]
             return
+
+
+def _per_data_rank(key: str, positions: list[Any], data_ranks: int) -> list[Any]:
+    """One position per rank the data is split over: under tensor parallel, one per group.
+
+    ``ctx.dataloader(..., tp_size=N)`` deals the data to ``world_size // N``
+    data ranks; global ranks ``d*N .. d*N+N-1`` read data rank ``d``'s
+    batches, so their positions must agree, and the record holds ``d``'s.
+    """
+    if len(positions) == data_ranks:
+        return positions
+    group = len(positions) // data_ranks
+    groups = [positions[d * group : (d + 1) * group] for d in range(data_ranks)]
+    split = [d for d, peers in enumerate(groups) if len(set(map(_comparable, peers))) > 1]
+    if split:
+        raise ValueError(
+            f"the ranks of tensor-parallel group {split[0]} read the loader {key} to different "
+            "positions, so a checkpoint cannot say where it stands: every rank of a group must "
+            "run the same steps over ctx.dataloader(..., tp_size=N)."
+        )
+    return [peers[0] for peers in groups]
 
 
 def _set_epoch(loader: Loader, epoch: int) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddpctx.data.book import LoaderBook
 from ddpctx.data.dataloader import epochs, loader_device, make_dataloader
@@ -40,6 +40,7 @@ class DataFaces:
         device: torch.device | str | None = "auto",
         name: str | None = None,
         shuffle_buffer: int | None = None,
+        tp_size: int | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader over this rank's shard of ``dataset`` (see :mod:`ddpctx.data.dataloader`).
@@ -77,7 +78,24 @@ class DataFaces:
         >>> with distributed(seed=0) as ctx:
         ...     [batch.tolist() for batch in ctx.dataloader(Lines(), batch_size=2)]
         [[0, 1], [2, 3], [4]]
+
+        ``tp_size=N`` (tensor parallel, ``ctx.shard(..., tp_size=N)``): the
+        ``N`` ranks of a tensor-parallel group (ranks ``k*N .. k*N+N-1``) read
+        the same batches, seeded alike; the data is split over the
+        ``world_size // N`` groups.
+
+        >>> with distributed(seed=0) as ctx:
+        ...     len(ctx.dataloader(list(range(10)), batch_size=4, tp_size=1))
+        3
         """
+        rank, world_size = _data_place(self.rank, self.world_size, tp_size)
+        if world_size != self.world_size and isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"ctx.dataloader(tp_size={tp_size}) got a stream ({type(dataset).__name__}, an "
+                "IterableDataset): tensor-parallel groups reading one stream are not supported "
+                "yet. Use a map-style dataset (__len__ and __getitem__), or read the stream "
+                "on each group's first rank and broadcast the batch over the group."
+            )
         target = self.device if isinstance(device, str) and device == "auto" else device
         loader = make_dataloader(
             dataset,
@@ -85,8 +103,8 @@ class DataFaces:
             shuffle=shuffle,
             pad=pad,
             base_seed=self.base_seed or 0,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=rank,
+            world_size=world_size,
             loader_kwargs=loader_kwargs,
             device=None if target is None else loader_device(target),
             name=name,
@@ -110,3 +128,20 @@ class DataFaces:
         [1, 2]
         """
         return epochs(n, start, self._loader_book.set_epoch, self.barrier)
+
+
+def _data_place(rank: int, world_size: int, tp_size: object) -> tuple[int, int]:
+    """``(data rank, data ranks)`` of ``rank`` when ``tp_size`` ranks share each batch."""
+    if tp_size is None:
+        return rank, world_size
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(
+            f"ctx.dataloader(tp_size={tp_size!r}): must be a positive int, the tp_size given "
+            "to ctx.shard (the ranks that share each batch), or None."
+        )
+    if world_size % tp_size:
+        raise ValueError(
+            f"ctx.dataloader(tp_size={tp_size}) does not divide the world size {world_size}: "
+            "pass the tp_size given to ctx.shard, one that divides the world size."
+        )
+    return rank // tp_size, world_size // tp_size

@@ -7,6 +7,13 @@ across the mesh and returns the total as a ``DTensor``. Either way
 :func:`clip_grad_norm` returns the norm the unsharded model would have, as a
 float, and scales every gradient (every shard) by the same factor.
 
+Under tensor parallel (:mod:`ddpctx.parallel.tensorparallel`) the gradients
+live on two meshes -- the planned layers' on ``("dp", "tp")``, the others' on
+``"dp"`` -- and torch's ``clip_grad_norm_`` refuses to stack norms from
+different meshes. Then each mesh's gradients give their own total norm (a
+``DTensor``, made whole), and the totals combine as the norms of disjoint
+parts do: ``(sum of norm ** p) ** (1 / p)``.
+
 This module knows torch and nothing of the context.
 
 Example:
@@ -46,12 +53,45 @@ def clip_grad_norm(
     dtensor = dtensor_type()  # the class, or () while none can exist
     if math.isinf(norm_type) and norm_type > 0 and any(isinstance(g, dtensor) for g in grads):
         return _clip_by_largest(grads, float(max_norm), error_if_nonfinite)
+    if len({id(g.device_mesh) for g in grads if isinstance(g, dtensor)}) > 1:
+        return _clip_across_meshes(grads, float(max_norm), float(norm_type), error_if_nonfinite)
     total = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
     )
     if isinstance(total, dtensor):
         total = total.full_tensor()
     return float(total)
+
+
+def _clip_across_meshes(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> float:
+    """The ``norm_type`` norm of gradients on several meshes: each mesh's part, then combined."""
+    from torch.nn.utils import get_total_norm
+
+    dtensor = dtensor_type()
+    parts: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:  # a plain tensor (no mesh) is whole on every rank: a part of its own
+        parts.setdefault(id(grad.device_mesh) if isinstance(grad, dtensor) else 0, []).append(grad)
+    total = 0.0
+    for part in parts.values():
+        norm = get_total_norm(part, norm_type, error_if_nonfinite=False)
+        whole = norm.full_tensor() if isinstance(norm, dtensor) else norm
+        total += float(whole.double()) ** norm_type
+    total = float(total ** (1.0 / norm_type))
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is {total}, so they cannot "
+            "be clipped. Pass error_if_nonfinite=False to clip anyway, or find the inf/NaN "
+            "gradient (e.g. torch.autograd.set_detect_anomaly(True))."
+        )
+    scale = min(1.0, max_norm / (total + 1e-6))
+    if scale < 1.0:
+        with torch.no_grad():
+            for grad in grads:
+                local = grad.to_local() if isinstance(grad, dtensor) else grad
+                local.mul_(scale)
+    return total
 
 
 def _clip_by_largest(grads: list[torch.Tensor], max_norm: float, error_if_nonfinite: bool) -> float:

@@ -13,17 +13,16 @@ the session's :attr:`ModelFaces._collective_call`: a caller no other rank can
 join (rank-zero-only work, another thread, a DataLoader worker) is refused at
 once, on every rank, naming the call (:mod:`ddpctx.reduce.guard`), where it
 would otherwise wait out the collective timeout. The hang doctor counts
-``full_state_dict`` and ``clip_grad_norm_`` of a sharded model as one wait
-each, since torch makes their gathers out of its sight
-(:meth:`ddpctx.hang.watchdog.Doctor.wait_in`); ``wrap`` and ``shard`` are not
-one wait (a big model takes minutes to start, which is no hang), their
-``torch.distributed`` collectives are tracked one by one.
+``full_state_dict`` and ``clip_grad_norm_`` of a sharded model (tensor
+parallel too) as one wait each, since torch makes their gathers out of its
+sight (:meth:`ddpctx.hang.watchdog.Doctor.wait_in`); ``wrap``, ``shard`` and
+``parallel_mesh`` are not (a big model takes minutes to start, which is no
+hang), their ``torch.distributed`` collectives are tracked one by one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -48,6 +47,7 @@ from ddpctx.parallel.sharding import (
     sharding_of,
 )
 from ddpctx.parallel.shardstart import on_meta, start_like_rank0
+from ddpctx.parallel.tensorparallel import apply_plan, check_plan, check_tp_size, parallel_mesh
 from ddpctx.parallel.wrapping import remember_wrapper, unwrap_model
 
 T = TypeVar("T")
@@ -75,6 +75,7 @@ class ModelFaces:
     device: torch.device
     _precision: Precision
     _mesh: DeviceMesh | None
+    _parallel_meshes: dict[int, DeviceMesh]
     #: Called after :meth:`shard` (the session's hang doctor hooks FSDP2, now loaded).
     _after_shard: Callable[[], None] | None = None
     #: Called with every model :meth:`wrap` and :meth:`shard` return (the session's step clock).
@@ -149,6 +150,23 @@ class ModelFaces:
             self._mesh = init_device_mesh(self.device.type, (self.world_size,))
         return self._mesh
 
+    def parallel_mesh(self, tp_size: int) -> DeviceMesh:
+        """The ``("dp", "tp")`` mesh of ``(world_size // tp_size, tp_size)`` ranks (made once).
+
+        Rank ``r`` sits at ``(r // tp_size, r % tp_size)``; every rank must ask
+        for it the first time (it forms groups). :meth:`shard` uses it.
+
+        >>> from ddpctx import distributed
+        >>> with distributed() as ctx:
+        ...     ctx.parallel_mesh(1).mesh_dim_names
+        ('dp', 'tp')
+        """
+        size = check_tp_size(tp_size, self.world_size)
+        if size not in self._parallel_meshes:
+            make = lambda: parallel_mesh(self.device.type, self.world_size, size)  # noqa: E731
+            self._parallel_meshes[size] = self._collective("ctx.parallel_mesh()", make, False)
+        return self._parallel_meshes[size]
+
     def shard(
         self,
         model: nn.Module,
@@ -157,6 +175,8 @@ class ModelFaces:
         min_params: int = DEFAULT_MIN_PARAMS,
         full_state_dict: Mapping[str, Any] | None = None,
         compile: CompileSetting = False,
+        tp_plan: Mapping[str, Any] | None = None,
+        tp_size: int | None = None,
         **fsdp_kwargs: Any,
     ) -> nn.Module:
         """Move ``model`` to :attr:`device` and shard it with FSDP2 ``fully_shard``, block by block.
@@ -186,6 +206,10 @@ class ModelFaces:
         ``step``; use :meth:`wrap` for it). Save with :meth:`save_checkpoint`
         (every rank writes its shards).
 
+        ``tp_plan={path: ParallelStyle}, tp_size=N``: tensor parallel over
+        :meth:`parallel_mesh`; give it ``ctx.dataloader(..., tp_size=N)``
+        (:mod:`ddpctx.parallel.tensorparallel`).
+
         >>> from ddpctx import distributed
         >>> with distributed() as ctx:
         ...     model = ctx.shard(torch.nn.Sequential(torch.nn.Linear(2, 2)))
@@ -193,26 +217,21 @@ class ModelFaces:
         'DTensor'
         """
         check_shardable(model, min_params)
+        plan = check_plan(model, tp_plan, tp_size)
+        split = tp_size if plan and check_tp_size(tp_size, self.world_size) > 1 else None
         options = compile_options(compile, "ctx.shard")
-        policy = self._precision.fsdp_policy()
-        block_kwargs: dict[str, Any] = {}
-        batch_norm_kwargs: dict[str, Any] | None = None
-        if policy is not None and "mp_policy" not in fsdp_kwargs:
-            fsdp_kwargs["mp_policy"] = policy
-            # only the root casts its output to float32: blocks hand bf16 on to the next block
-            block_kwargs["mp_policy"] = dataclasses.replace(policy, output_dtype=None)
-            # batch norm's running statistics are float32 buffers: its weights must be too
-            float32 = dataclasses.replace(policy, param_dtype=None, output_dtype=None)
-            batch_norm_kwargs = {"mp_policy": float32}
+        block_kwargs, batch_norm_kwargs = self._precision.fsdp_kwargs(fsdp_kwargs)
+        grid = None if split is None else self.parallel_mesh(split)
 
         def start() -> nn.Module:  # rank 0's weights reach every rank's shards
             placed = model if on_meta(model) else model.to(self.device)
-            prepared, mesh = self._precision.prepare(placed), self.mesh
+            prepared = self._precision.prepare(placed)
             return start_like_rank0(
                 prepared,
                 lambda bare: shard_model(
                     bare,
-                    mesh,
+                    self.mesh if grid is None else grid["dp"],
+                    split_first=None if grid is None else lambda m: apply_plan(m, grid, plan),
                     blocks=blocks,
                     min_params=min_params,
                     block_kwargs=block_kwargs,
@@ -318,7 +337,7 @@ class ModelFaces:
         )
 
     def _collective(
-        self, what: str, call: Callable[[], T], *, one_wait: bool, everyone: bool = False
+        self, what: str, call: Callable[[], T], one_wait: bool, everyone: bool = False
     ) -> T:
         """``call()`` through :attr:`_collective_call` (directly while none is set)."""
         if self._collective_call is None:
@@ -326,12 +345,10 @@ class ModelFaces:
         return self._collective_call(what, call, one_wait=one_wait, everyone=everyone)
 
     def _spans_all(self, model: nn.Module) -> bool:
-        """Whether ``model``'s shards are spread over every rank (ctx.shard's mesh is)."""
+        """Whether ``model``'s shards span every rank (under tensor parallel, a planned layer's)."""
         dtensor = dtensor_type()
-        for parameter in model.parameters():
-            if isinstance(parameter, dtensor):
-                return bool(parameter.device_mesh.size() == self.world_size)
-        return False  # FSDP1: its process group is its own
+        meshes = [p.device_mesh for p in model.parameters() if isinstance(p, dtensor)]
+        return any(mesh.size() == self.world_size for mesh in meshes)  # FSDP1: none
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:

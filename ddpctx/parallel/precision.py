@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +91,23 @@ class Precision:
         return MixedPrecisionPolicy(
             param_dtype=self.compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
+
+    def fsdp_kwargs(
+        self, fsdp_kwargs: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Set the root's ``mp_policy`` in ``fsdp_kwargs``; return the blocks' and batch norms'.
+
+        Only the root casts its output to float32: blocks hand bf16 on to
+        the next block. Batch norm's running statistics are float32
+        buffers, so its weights must be too. Nothing when the user passed
+        ``mp_policy`` or the precision has none.
+        """
+        policy = self.fsdp_policy()
+        if policy is None or "mp_policy" in fsdp_kwargs:
+            return {}, None
+        fsdp_kwargs["mp_policy"] = policy
+        float32 = dataclasses.replace(policy, param_dtype=None, output_dtype=None)
+        return {"mp_policy": dataclasses.replace(policy, output_dtype=None)}, {"mp_policy": float32}
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Cast the weights for ``"bf16-true"``; leave them float32 otherwise."""

@@ -169,6 +169,7 @@ def shard_model(
     block_kwargs: dict[str, Any] | None = None,
     batch_norm_kwargs: dict[str, Any] | None = None,
     compile_options: dict[str, Any] | None = None,
+    split_first: Callable[[nn.Module], object] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
     """``fully_shard`` each block of ``model`` (see the module docstring), then the root.
@@ -179,12 +180,15 @@ def shard_model(
     ``block_kwargs`` override ``fsdp_kwargs`` for the blocks (not the root).
     With ``batch_norm_kwargs`` every batch-norm layer is sharded on its own
     first, with those (mixed precision keeps its weights float32, like its
-    float32 running statistics, as FSDP1 did).
+    float32 running statistics, as FSDP1 did). ``split_first`` (tensor
+    parallel's plan) runs on the model before anything is sharded.
     """
     check_shardable(model, min_params)
     from torch.distributed.fsdp import fully_shard
 
     before = list(model.parameters())
+    if split_first is not None:
+        split_first(model)
     if blocks is not None:  # refused before anything is sharded
         test = _block_test(blocks)
         chosen = [m for name, m in model.named_modules() if m is not model and test(name, m)]

@@ -9,7 +9,7 @@ Each face lives beside the subsystem it fronts and is a thin layer over it:
 - :class:`~ddpctx.data.faces.DataFaces`: ``dataloader``, ``epochs``.
 - :class:`~ddpctx.parallel.faces.ModelFaces`: ``wrap``, ``shard``, ``unwrap``, ``no_sync``,
   ``accumulate``, ``precision``, ``autocast``, ``scaler``, ``clip_grad_norm_``,
-  ``full_state_dict``.
+  ``full_state_dict``, ``mesh``, ``parallel_mesh``.
 - :class:`~ddpctx.checkpoint.faces.CheckpointFaces`: ``save``, ``load``,
   ``save_checkpoint``, ``load_checkpoint``.
 - :class:`~ddpctx.watch.faces.WatchFaces`: ``log``, ``log_config``, ``timings``, ``profile``.
@@ -97,6 +97,7 @@ class DistContext(
         self._writer_claims = Claims()  # checkpoint directories rank 0 holds; let go at the end
         self._precision = precision or Precision("32", device.type)
         self._mesh = None
+        self._parallel_meshes = {}
         self._scaler = None
 
     def __repr__(self) -> str:

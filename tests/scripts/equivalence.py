@@ -6,7 +6,10 @@ usage: equivalence.py OUT --cells MODE:PRECISION[:stream][,...] [--workers N] [-
 Each cell trains the same MLP on the same data (96 fixed samples, a global
 batch of 12 split over the ranks, 3 epochs, SGD with momentum) inside its own
 ``distributed(seed=SEED, precision=PRECISION)`` block, with ``ctx.wrap``
-(MODE ``wrap``) or ``ctx.shard`` (MODE ``shard``), saving a checkpoint every
+(MODE ``wrap``) or ``ctx.shard`` (MODE ``shard``), or ``ctx.shard`` with tensor parallel over 2
+ranks (MODE ``tp``: the first layer split by columns, the second by rows,
+FSDP2 over the other ranks, each tensor-parallel pair reading one batch),
+saving a checkpoint every
 ``SAVE_EVERY`` steps into ``OUT/<cell>/checkpoints`` and resuming from the
 newest one on entry. With ``--kill-after`` the last rank SIGKILLs itself
 right after that global step on the first attempt (run it under
@@ -62,6 +65,7 @@ GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks: every world size reads th
 EPOCHS = 3
 SAVE_EVERY = 5
 LEARNING_RATE = 0.05
+TP_SIZE = 2  # MODE tp: 2 ranks split each planned layer
 
 
 def make_model() -> nn.Module:
@@ -157,23 +161,31 @@ def train_cell(
     with distributed(seed=SEED, precision=precision, log_dir=log_dir, loggers=loggers) as ctx:
         model = make_model()
         compile = {"backend": "aot_eager"} if "compile" in shapes else False
+        tp_size = TP_SIZE if mode == "tp" else None
         if mode == "wrap":
             model = ctx.wrap(model, compile=compile)
+        elif mode == "tp":
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            model = ctx.shard(model, blocks=[nn.Linear], tp_plan=plan, tp_size=TP_SIZE)
         else:
             model = ctx.shard(model, blocks=[nn.Linear], compile=compile)
+        data_ranks = ctx.world_size // (tp_size or 1)
         start = ctx.full_state_dict(model)
         optimizer = make_optimizer(model)
         if stream:
             loader = ctx.dataloader(
-                EpochStream(), batch_size=GLOBAL_BATCH // ctx.world_size, num_workers=workers
+                EpochStream(), batch_size=GLOBAL_BATCH // data_ranks, num_workers=workers
             )
         else:
             loader = ctx.dataloader(
                 make_data(),
-                batch_size=GLOBAL_BATCH // ctx.world_size,
+                batch_size=GLOBAL_BATCH // data_ranks,
                 shuffle=True,
                 num_workers=workers,
                 persistent_workers=workers > 0,
+                tp_size=tp_size,
             )
         saved = ctx.unwrap(model) if "raw" in shapes else model
         meta = ctx.load_checkpoint(folder / "checkpoints", model=saved, optimizer=optimizer)
