@@ -18,7 +18,7 @@ recompute a CRC. So ddpctx never lets DCP unpickle a checkpoint file:
   names inside the checkpoint's directory. Its bytes are first checked
   against the manifest, when there is one.
 - :class:`Reader` is DCP's ``FileSystemReader`` with that ``.metadata`` and
-  its own ``read_data``: each entry's bytes are read once, their CRC-32
+  its own ``read_data``: each entry's bytes are read once, their checksum
   compared with the manifest's record of that entry (a rank verifies exactly
   the bytes it reads, while reading them), then loaded with
   ``weights_only=True``: a tensor as DCP does, a non-tensor entry only if
@@ -59,7 +59,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ddpctx.checkpoint.files import RefusedCheckpoint
-from ddpctx.checkpoint.sums import Damaged, Recorded, crc, file_damage, verified_bytes
+from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
+from ddpctx.utils.digest import hasher
 
 METADATA_FILE = ".metadata"
 
@@ -274,7 +275,7 @@ class Reader(FileSystemReader):
     def _read_file(self, path: Path, items: list[ReadItem], planner: LoadPlanner) -> None:
         record = self._record_of(path)
         parts = (
-            {(offset, length): crc32 for offset, length, crc32 in record.parts} if record else {}
+            {(offset, length): value for offset, length, value in record.parts} if record else {}
         )
         spans = [self.storage_data[item.storage_index] for item in items]
         if record and any((s.offset, s.length) not in parts for s in spans):
@@ -300,13 +301,14 @@ class Reader(FileSystemReader):
                         f"{path.name!r} ends before its entry {entry!r} does (torn or truncated)",
                     )
                 expected = parts.get((info.offset, info.length))
-                if expected is not None and (seen := crc(data)) != expected:
-                    raise Damaged(
-                        str(path),
-                        f"{path.name!r} bytes {info.offset}-{info.offset + info.length} (entry "
-                        f"{entry!r}) have CRC-32 {seen}, and {expected} was recorded when it "
-                        "was saved",
-                    )
+                if expected is not None and record is not None:
+                    running = hasher(record.algorithm)
+                    running.update(data)
+                    if (seen := running.hexdigest()) != expected:
+                        where = f" bytes {info.offset}-{info.offset + info.length} (entry {entry!r})"
+                        raise Damaged(
+                            str(path), mismatch(path.name, record.algorithm, seen, expected, where)
+                        )
                 self._load(item, info, data, path, planner)
 
     def _verify_whole(self, path: Path, record: Recorded) -> None:
