@@ -305,7 +305,9 @@ class Reader(FileSystemReader):
                     running = hasher(record.algorithm)
                     running.update(data)
                     if (seen := running.hexdigest()) != expected:
-                        where = f" bytes {info.offset}-{info.offset + info.length} (entry {entry!r})"
+                        where = (
+                            f" bytes {info.offset}-{info.offset + info.length} (entry {entry!r})"
+                        )
                         raise Damaged(
                             str(path), mismatch(path.name, record.algorithm, seen, expected, where)
                         )

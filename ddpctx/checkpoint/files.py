@@ -64,8 +64,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
 from ddpctx.checkpoint.sums import (
-    RefusedCheckpoint,
     Torn,
     found_damaged,
     intact,

@@ -51,11 +51,15 @@ Pruning (``keep=``) never re-reads a whole checkpoint to decide whether it
 counts: it checks that its files are there at their recorded sizes, and
 counts none that a load in this process found damaged (:func:`found_damaged`).
 
+Why one module: the manifest's format, the checksums it records and how a
+file is verified against them are one rule set, read together; the messages
+of a mismatch name what the manifest names.
+
 Example:
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
     >>> _ = (folder / "a.bin").write_bytes(b"saved")
-    >>> write_manifest(folder / "ddpctx.sums", {"a.bin": file_sum(folder / "a.bin")}, "crc32")
+    >>> write_manifest(folder / "ddpctx.sums", {"a.bin": file_record(folder / "a.bin", (), "crc32")})
     >>> damage(folder / "ddpctx.sums", folder) is None
     True
     >>> _ = (folder / "a.bin").write_bytes(b"sabed")
@@ -308,7 +312,7 @@ def read_manifest(path: Path) -> dict[str, Recorded] | str:
 
 
 def file_damage(path: Path, recorded: Recorded) -> str | None:
-    """None when the file at ``path`` has the recorded size and checksum (one read); else how not."""
+    """None when the file at ``path`` has the recorded size and checksum (one read); else why."""
     name = path.name
     try:
         seen_size = path.stat().st_size
