@@ -59,12 +59,12 @@ Example:
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
     >>> _ = (folder / "a.bin").write_bytes(b"saved")
-    >>> write_manifest(folder / "ddpctx.sums", {"a.bin": file_record(folder / "a.bin", (), "crc32")})
+    >>> write_manifest(folder / "ddpctx.sums", {"a.bin": file_sum(folder / "a.bin")})
     >>> damage(folder / "ddpctx.sums", folder) is None
     True
     >>> _ = (folder / "a.bin").write_bytes(b"sabed")
     >>> print(damage(folder / "ddpctx.sums", folder))
-    'a.bin' has CRC-32 e2ccd889, and f9e3d325 was recorded when it was saved
+    'a.bin' has XXH3-64 c91634d599b421f6, and f029ce74977acead was recorded when it was saved
 """
 
 from __future__ import annotations
