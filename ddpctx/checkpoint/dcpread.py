@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -50,7 +51,7 @@ import pathlib
 import pickle
 from collections import OrderedDict
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ddpctx.checkpoint.files import RefusedCheckpoint
+from ddpctx.checkpoint.mapped import View, entry_bytes, mapped_file
 from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
 from ddpctx.utils.digest import hasher
 
@@ -285,33 +287,43 @@ class Reader(FileSystemReader):
         except FileNotFoundError:
             raise Damaged(str(path), f"{path.name!r} is missing") from None
         with stream:
-            if record is not None and (size := _size(stream)) != record.size:
+            size = _size(stream)
+            if record is not None and size != record.size:
                 raise Damaged(
                     str(path),
                     f"{path.name!r} has {size} bytes, and {record.size} were saved "
                     "(torn or truncated)",
                 )
-            for item, info in sorted(zip(items, spans, strict=True), key=lambda i: i[1].offset):
-                stream.seek(info.offset)
-                data = stream.read(info.length)
-                entry = item.storage_index.fqn
-                if len(data) != info.length:
-                    raise Damaged(
-                        str(path),
-                        f"{path.name!r} ends before its entry {entry!r} does (torn or truncated)",
-                    )
-                expected = parts.get((info.offset, info.length))
-                if expected is not None and record is not None:
-                    running = hasher(record.algorithm)
-                    running.update(data)
-                    if (seen := running.hexdigest()) != expected:
-                        where = (
-                            f" bytes {info.offset}-{info.offset + info.length} (entry {entry!r})"
-                        )
+            mapped = mapped_file(stream, size)
+            try:
+                for item, info in sorted(zip(items, spans, strict=True), key=lambda i: i[1].offset):
+                    data = entry_bytes(stream, mapped, info)
+                    entry = item.storage_index.fqn
+                    if len(data) != info.length:
                         raise Damaged(
-                            str(path), mismatch(path.name, record.algorithm, seen, expected, where)
+                            str(path),
+                            f"{path.name!r} ends before its entry {entry!r} does (torn or "
+                            "truncated)",
                         )
-                self._load(item, info, data, path, planner)
+                    expected = parts.get((info.offset, info.length))
+                    if expected is not None and record is not None:
+                        self._check(path, record, info, entry, data, expected)
+                    self._load(item, info, data, path, planner)
+                    del data
+            finally:
+                if mapped is not None:
+                    with contextlib.suppress(BufferError):  # a view still held: closed by GC
+                        mapped.close()
+
+    @staticmethod
+    def _check(
+        path: Path, record: Recorded, info: Any, entry: str, data: memoryview, expected: str
+    ) -> None:
+        running = hasher(record.algorithm)
+        running.update(data)
+        if (seen := running.hexdigest()) != expected:
+            where = f" bytes {info.offset}-{info.offset + info.length} (entry {entry!r})"
+            raise Damaged(str(path), mismatch(path.name, record.algorithm, seen, expected, where))
 
     def _verify_whole(self, path: Path, record: Recorded) -> None:
         if path.name not in self._whole_verified:
@@ -320,13 +332,13 @@ class Reader(FileSystemReader):
             self._whole_verified.add(path.name)
 
     def _load(
-        self, item: ReadItem, info: Any, data: bytes, path: Path, planner: LoadPlanner
+        self, item: ReadItem, info: Any, data: memoryview, path: Path, planner: LoadPlanner
     ) -> None:
-        stream: IO[bytes] = io.BytesIO(data)
+        stream: IO[bytes] = cast(IO[bytes], View(data))
         descriptors = getattr(info, "transform_descriptors", None) or ()
         transforms = getattr(self, "transforms", None)
         if descriptors and transforms is not None:
-            stream = transforms.transform_load_stream(item, descriptors, stream)
+            stream = transforms.transform_load_stream(item, descriptors, io.BytesIO(data))
             if not stream.seekable():
                 stream = io.BytesIO(stream.read())
         entry = item.storage_index.fqn

@@ -1,0 +1,77 @@
+"""Shard files mapped read-only, and views of them that ``torch.load`` reads with one copy.
+
+A sharded load verifies each entry's bytes before ``torch.load`` sees them
+(:mod:`ddpctx.checkpoint.dcpread`). Read into a ``bytes`` object first, each
+entry's tensor would be copied twice on its way into the model (file ->
+bytes -> tensor) where DCP's own reader copies it once. Mapping the shard
+instead, the checksum runs over the mapped pages, and :class:`View` hands
+them to ``torch.load``, which reads a tensor's bytes with ``readinto``
+straight into its storage: one copy, as DCP's. A file system that cannot map
+files is read as before.
+
+Example:
+    >>> view = View(memoryview(b"abcdef"))
+    >>> view.seek(2)
+    2
+    >>> view.read(3)
+    b'cde'
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from typing import IO, Any
+
+
+def mapped_file(stream: IO[bytes], size: int) -> mmap.mmap | None:
+    """The file mapped read-only (its entries then reach torch with one copy); None if not."""
+    if size == 0:
+        return None
+    try:
+        return mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):  # a file system that cannot map files: read them
+        return None
+
+
+def entry_bytes(stream: IO[bytes], mapped: mmap.mmap | None, info: Any) -> memoryview:
+    """The bytes of one entry: a view of the mapped file, or read (shorter if the file is)."""
+    if mapped is not None:
+        return memoryview(mapped)[info.offset : info.offset + info.length]
+    stream.seek(info.offset)
+    return memoryview(stream.read(info.length))
+
+
+class View(io.RawIOBase):
+    """A seekable file over bytes in memory that copies only into the caller's buffer.
+
+    ``torch.load`` reads a tensor's bytes with ``readinto`` straight into its
+    storage: from a view of a mapped shard, that is the one copy of them.
+    """
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: len(self._data)}
+        self._position = max(0, base[whence] + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        count = max(0, min(len(target), len(self._data) - self._position))
+        target[:count] = self._data[self._position : self._position + count]
+        self._position += count
+        return count
