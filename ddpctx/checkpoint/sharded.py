@@ -66,11 +66,13 @@ from ddpctx.checkpoint.shardfiles import (
     prune_dirs,
 )
 from ddpctx.checkpoint.sums import (
+    OF_PARTS,
     SHARDED_MANIFEST,
     FileSum,
     Recorded,
     file_record,
     file_sum,
+    tiles,
     write_manifest,
 )
 from ddpctx.checkpoint.writefailures import as_os_error, is_write_failure
@@ -238,9 +240,9 @@ def _record_of(path: Path, spans: list[tuple[int, int]], hashed: Any) -> Recorde
             size = path.stat().st_size
         except OSError:
             size = -1
-        if size == hashed.size:
-            parts = tuple((o, n, hashed.segments[(o, n)]) for o, n in sorted(set(spans)))
-            return Recorded(hashed.size, hashed.digest, parts, hashed.algorithm)
+        parts = tuple((o, n, hashed.segments[(o, n)]) for o, n in sorted(set(spans)))
+        if size == hashed.size and tiles(parts, size):  # the file is its entries
+            return Recorded(size, OF_PARTS, parts, hashed.algorithm)
     return file_record(path, spans)
 
 

@@ -2,11 +2,12 @@
 
 Checksums while writing: every byte DCP writes into a shard passes through
 :class:`_RecordingStream`, which hashes it (:mod:`ddpctx.utils.digest`)
-into the whole file's checksum and into the checksum of the current
-*segment*. DCP asks the stream's position (``tell``) before and after each
-entry it writes, so each segment between two ``tell`` calls is exactly one
-entry: its checksum is that entry's part in the manifest
-(:mod:`ddpctx.checkpoint.sums`), and no shard is read back to checksum it.
+into the checksum of the current *segment*. DCP asks the stream's position
+(``tell``) before and after each entry it writes, so each segment between
+two ``tell`` calls is exactly one entry: its checksum is that entry's part
+in the manifest (:mod:`ddpctx.checkpoint.sums`). The entries cover the
+shard end to end, so the shard is recorded as its parts, each byte hashed
+once, and no shard is read back to checksum it.
 :class:`Hashed` is what a file's stream recorded.
 
 Errors: DCP writes each rank's shards with ``torch.save`` into a Python file. When
@@ -48,19 +49,18 @@ from ddpctx.utils.digest import Hasher, chosen, hasher
 
 @dataclass
 class Hashed:
-    """What the stream of one written file hashed: its size, checksum and segments.
+    """What the stream of one written file hashed: its size and its segments' checksums.
 
     ``segments``: (offset, length) -> checksum of each stretch between two ``tell`` calls.
     """
 
     algorithm: str
     size: int = 0
-    digest: str = ""
     segments: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 class _RecordingStream:
-    """A file that hashes what is written (whole, and per segment) and whose ``write``
+    """A file that hashes what is written, segment by segment, and whose ``write``
     failures are remembered by its file system; the rest passes."""
 
     def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
@@ -68,7 +68,6 @@ class _RecordingStream:
         self._path = path
         self._failures = failures
         self.hashed = Hashed(chosen())
-        self._whole: Hasher = hasher(self.hashed.algorithm)
         self._segment: Hasher = hasher(self.hashed.algorithm)
         self._start = 0  # where the current segment began
         self._position = 0  # bytes written so far
@@ -80,7 +79,6 @@ class _RecordingStream:
         except OSError as error:
             self._failures.append((self._path, error))
             raise
-        self._whole.update(view[:count])
         self._segment.update(view[:count])
         self._position += count
         return count
@@ -101,7 +99,6 @@ class _RecordingStream:
         """The file's sums, once every byte is written."""
         self._cut()
         self.hashed.size = self._position
-        self.hashed.digest = self._whole.hexdigest()
         return self.hashed
 
     def __getattr__(self, name: str) -> Any:

@@ -12,7 +12,10 @@ the files and before the checkpoint is published (renamed into place).
   ``ddpctx.pt``). For each shard it also records the checksum of each entry
   DCP wrote into it (its *parts*: offset, length, checksum), so that a rank
   that reads some entries of a shard verifies exactly the bytes it reads, as
-  it reads them, and never reads the rest only to verify them.
+  it reads them, and never reads the rest only to verify them. A shard's
+  parts cover it end to end, so its own checksum is ``"parts"``: the file
+  is verified as its parts are (it is hashed once, entry by entry, as
+  written).
 
 The checksum is XXH3-64 (:mod:`ddpctx.utils.digest`: chosen by measurement,
 about 7 GiB/s here against 1 GiB/s for ``zlib.crc32``; BENCHMARKS.md), or
@@ -98,6 +101,25 @@ Part = tuple[int, int, str]
 
 class RefusedCheckpoint(RuntimeError):
     """A checkpoint file that reads but cannot be used: an error, never a silent skip."""
+
+
+#: The ``digest`` of a file whose parts tile it, from its first byte to its last: the file is
+#: verified as its parts are (a shard, hashed entry by entry as DCP wrote it).
+OF_PARTS = "parts"
+
+
+def tiles(parts: Iterable[Part], size: int) -> bool:
+    """Whether ``parts`` cover bytes ``0..size`` exactly, end to end (a file of entries).
+
+    >>> tiles([(0, 4, "a"), (4, 2, "b")], 6), tiles([(0, 4, "a")], 6)
+    (True, False)
+    """
+    end = 0
+    for offset, length, _ in sorted(parts):
+        if offset != end:
+            return False
+        end += length
+    return end == size and size > 0
 
 
 @dataclass(frozen=True)
@@ -320,6 +342,18 @@ def file_damage(path: Path, recorded: Recorded) -> str | None:
         return f"{name!r} is missing (it was saved with {recorded.size} bytes)"
     if seen_size != recorded.size:
         return f"{name!r} has {seen_size} bytes, and {recorded.size} were saved (torn or truncated)"
+    if recorded.digest == OF_PARTS:  # a shard: each of its entries' checksums, one read
+        if not tiles(recorded.parts, recorded.size):
+            return f"its manifest records parts of {name!r} that do not cover it"
+        spans = [(offset, length) for offset, length, _ in recorded.parts]
+        seen_parts = file_record(path, spans, recorded.algorithm).parts
+        for (offset, length, seen), (_, _, saved) in zip(
+            seen_parts, sorted(recorded.parts), strict=True
+        ):
+            if seen != saved:
+                where = f" bytes {offset}-{offset + length}"
+                return mismatch(name, recorded.algorithm, seen, saved, where)
+        return None
     seen = file_record(path, (), recorded.algorithm).digest
     if seen != recorded.digest:
         return mismatch(name, recorded.algorithm, seen, recorded.digest)
