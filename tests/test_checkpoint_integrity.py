@@ -29,7 +29,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ddpctx import DistContext, RankError, current, distributed
-from ddpctx.checkpoint.sums import RefusedCheckpoint, read_manifest, write_manifest
+from ddpctx.checkpoint.sums import (
+    OF_PARTS,
+    RefusedCheckpoint,
+    file_record,
+    read_manifest,
+    tiles,
+    write_manifest,
+)
 from ddpctx.utils import digest
 from tests.helpers import (
     REPO,
@@ -550,3 +557,23 @@ def test_an_xxh3_checkpoint_without_xxhash_is_refused_saying_to_install_it(
     finally:
         monkeypatch.undo()
         digest._xxhash.cache_clear()
+
+
+def test_a_sharded_save_records_each_shard_as_its_entries_hashed_as_dcp_wrote_them(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    run_distributed(save_two, str(tmp_path), True, world_size=2)
+    manifest = the_manifest(tmp_path)
+    recorded = read_manifest(manifest)
+    assert isinstance(recorded, dict)
+    shards = [name for name in recorded if name.endswith(".distcp")]
+    assert len(shards) == 2
+    for name, record in recorded.items():  # differential: the bytes on disk, hashed again
+        spans = [(offset, length) for offset, length, _ in record.parts]
+        again = file_record(manifest.parent / name, spans, record.algorithm)
+        assert again.parts == record.parts, name
+        if name in shards:  # hashed once, entry by entry: the shard is its entries
+            assert record.digest == OF_PARTS, name
+            assert tiles(record.parts, record.size), name
+        else:
+            assert again.digest == record.digest, name
