@@ -43,7 +43,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import os
@@ -60,7 +59,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ddpctx.checkpoint.files import RefusedCheckpoint
-from ddpctx.checkpoint.mapped import View, entry_bytes, mapped_file
+from ddpctx.checkpoint.mapped import View, entry_bytes
 from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
 from ddpctx.utils.digest import hasher
 
@@ -294,10 +293,8 @@ class Reader(FileSystemReader):
                     f"{path.name!r} has {size} bytes, and {record.size} were saved "
                     "(torn or truncated)",
                 )
-            mapped = mapped_file(stream, size)
-            try:
-                for item, info in sorted(zip(items, spans, strict=True), key=lambda i: i[1].offset):
-                    data = entry_bytes(stream, mapped, info)
+            for item, info in sorted(zip(items, spans, strict=True), key=lambda i: i[1].offset):
+                with entry_bytes(stream, size, info.offset, info.length) as data:
                     entry = item.storage_index.fqn
                     if len(data) != info.length:
                         raise Damaged(
@@ -309,11 +306,6 @@ class Reader(FileSystemReader):
                     if expected is not None and record is not None:
                         self._check(path, record, info, entry, data, expected)
                     self._load(item, info, data, path, planner)
-                    del data
-            finally:
-                if mapped is not None:
-                    with contextlib.suppress(BufferError):  # a view still held: closed by GC
-                        mapped.close()
 
     @staticmethod
     def _check(

@@ -3,9 +3,10 @@
 A sharded load verifies each entry's bytes before ``torch.load`` sees them
 (:mod:`ddpctx.checkpoint.dcpread`). Read into a ``bytes`` object first, each
 entry's tensor would be copied twice on its way into the model (file ->
-bytes -> tensor) where DCP's own reader copies it once. Mapping the shard
-instead, the checksum runs over the mapped pages, and :class:`View` hands
-them to ``torch.load``, which reads a tensor's bytes with ``readinto``
+bytes -> tensor) where DCP's own reader copies it once. Mapping each entry
+instead (one at a time, so a load holds no more than one entry's pages), the
+checksum runs over the mapped pages, and :class:`View` hands them to
+``torch.load``, which reads a tensor's bytes with ``readinto``
 straight into its storage: one copy, as DCP's. A file system that cannot map
 files is read as before.
 
@@ -19,28 +20,39 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
+from collections.abc import Iterator
 from typing import IO, Any
 
 
-def mapped_file(stream: IO[bytes], size: int) -> mmap.mmap | None:
-    """The file mapped read-only (its entries then reach torch with one copy); None if not."""
-    if size == 0:
-        return None
+@contextlib.contextmanager
+def entry_bytes(stream: IO[bytes], size: int, offset: int, length: int) -> Iterator[memoryview]:
+    """The bytes ``offset..offset+length`` of the file ``stream`` (``size`` bytes long).
+
+    A view of just that stretch mapped read-only, unmapped when the block ends
+    (so no more than one entry's pages are mapped at a time); read instead where
+    the file system cannot map files. Shorter than ``length`` when the file is.
+    """
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    end = min(offset + length, size)
+    mapped = None
+    if end > offset:
+        try:
+            mapped = mmap.mmap(stream.fileno(), end - start, access=mmap.ACCESS_READ, offset=start)
+        except (OSError, ValueError):  # a file system that cannot map files: read them
+            mapped = None
+    if mapped is None:
+        stream.seek(offset)
+        yield memoryview(stream.read(length))
+        return
     try:
-        return mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):  # a file system that cannot map files: read them
-        return None
-
-
-def entry_bytes(stream: IO[bytes], mapped: mmap.mmap | None, info: Any) -> memoryview:
-    """The bytes of one entry: a view of the mapped file, or read (shorter if the file is)."""
-    if mapped is not None:
-        return memoryview(mapped)[info.offset : info.offset + info.length]
-    stream.seek(info.offset)
-    return memoryview(stream.read(info.length))
+        yield memoryview(mapped)[offset - start : end - start]
+    finally:
+        with contextlib.suppress(BufferError):  # a view still held: unmapped when it goes
+            mapped.close()
 
 
 class View(io.RawIOBase):
