@@ -27,6 +27,10 @@ import os
 from collections.abc import Iterator
 from typing import IO, Any
 
+#: Shared, read-only, and its page table filled in one call (where the platform can): the
+#: checksum and the copy then read the pages without a page fault per few pages.
+_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
 
 @contextlib.contextmanager
 def entry_bytes(stream: IO[bytes], size: int, offset: int, length: int) -> Iterator[memoryview]:
@@ -41,7 +45,7 @@ def entry_bytes(stream: IO[bytes], size: int, offset: int, length: int) -> Itera
     mapped = None
     if end > offset:
         try:
-            mapped = mmap.mmap(stream.fileno(), end - start, access=mmap.ACCESS_READ, offset=start)
+            mapped = mmap.mmap(stream.fileno(), end - start, _FLAGS, mmap.PROT_READ, offset=start)
         except (OSError, ValueError):  # a file system that cannot map files: read them
             mapped = None
     if mapped is None:
