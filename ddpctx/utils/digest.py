@@ -4,8 +4,8 @@ A checkpoint's checksum is computed while its bytes pass -- as they are
 written, as they are read -- so it has to run at memory speed and continue a
 running sum over many pieces. Measured on the machine ddpctx is developed on
 (a 256 MiB buffer, best of 5, BENCHMARKS.md "Checkpoint checksums"): XXH3-64
-(``xxhash``) about 7 GiB/s, hardware CRC32C (``crc32c``, ``google-crc32c``)
-about 4 GiB/s, ``zlib.crc32`` about 1 GiB/s. So new checksums are XXH3-64;
+(``xxhash``) about 12 GiB/s, fed in pieces too; hardware CRC32C (``crc32c``,
+``google-crc32c``) 6-7 GiB/s; ``zlib.crc32`` about 2 GiB/s. So new checksums are XXH3-64;
 ``xxhash`` is a dependency of ddpctx. Where it cannot be imported, ddpctx
 records ``zlib.crc32`` instead, with one warning that says so.
 
