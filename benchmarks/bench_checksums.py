@@ -1,18 +1,24 @@
-"""What checkpoint checksums cost: CRC-32 speed, and a ~1 GiB checkpoint saved and loaded.
+"""What checkpoint checksums cost: the candidate hashes' speed, and a checkpoint saved and loaded.
 
-Run:  python benchmarks/bench_checksums.py [--gib 1.0] [--rounds 3]
+Run:  python benchmarks/bench_checksums.py [--gib 1.0] [--rounds 3] [--hash-only]
 
 Prints markdown rows for BENCHMARKS.md, in one process (world size 1):
 
-- CRC-32 (``zlib.crc32``, what ddpctx records) over an in-memory buffer, and
-  ``ddpctx.checkpoint.sums.file_sum`` over a file in the page cache (what a
-  load verifies), in GiB/s; BLAKE2b and SHA-256 beside them for comparison;
-- the median time of ``ctx.save_checkpoint`` of a model of ``--gib`` GiB of
-  float32 weights (the CRC is computed while the bytes are written), and of
-  the same save with the CRC patched out (a save as before checksums), and of
-  ``ctx.load_checkpoint`` with verification (the manifest is there) and
-  without (the manifest removed: the path of a checkpoint written before
-  checksums), interleaved round by round.
+- each candidate hash over a 256 MiB buffer in memory, best of ``--rounds``,
+  in GiB/s: XXH3-64 (``xxhash``, what ddpctx records), hardware CRC32C
+  (``crc32c`` and ``google-crc32c``, where installed), ``zlib.crc32`` (what
+  ddpctx recorded before, and records without ``xxhash``), BLAKE2b and
+  SHA-256; also XXH3-64 fed in 1 MiB pieces (a running sum, as while
+  writing) and ``ddpctx.checkpoint.sums.file_sum`` over a 1 GiB file in the
+  page cache (what a load verifies);
+- unless ``--hash-only``: the median time of ``ctx.save_checkpoint`` of a
+  model of ``--gib`` GiB of float32 weights (the checksum computed while the
+  bytes are written), and of the same save with hashing patched out (a save
+  as before checksums), and of ``ctx.load_checkpoint`` with verification (the
+  manifest is there) and without (the manifest removed: the path of a
+  checkpoint written before checksums), interleaved round by round.
+
+The load average (``os.getloadavg``) is printed with the numbers.
 """
 
 from __future__ import annotations
@@ -20,15 +26,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
-import types
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,6 +43,7 @@ from torch import nn
 from ddpctx import distributed
 from ddpctx.checkpoint.sums import file_sum, sidecar
 from ddpctx.utils import atomic
+from ddpctx.utils.digest import chosen
 
 
 def speed(work: object, size: int, rounds: int = 3) -> float:
@@ -49,39 +56,76 @@ def speed(work: object, size: int, rounds: int = 3) -> float:
     return size / best / 2**30
 
 
+class _NoHash:
+    def update(self, data: object, /) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0"
+
+
 @contextlib.contextmanager
-def without_crc() -> Iterator[None]:
-    """The byte sink's CRC replaced by a no-op: a save as it was before checksums."""
-    real = vars(atomic)["zlib"]
-    setattr(atomic, "zlib", types.SimpleNamespace(crc32=lambda data, value=0: 0))  # noqa: B010
+def without_hash() -> Iterator[None]:
+    """The byte sink's running hash replaced by a no-op: a save as it was before checksums."""
+    real = vars(atomic)["hasher"]
+    setattr(atomic, "hasher", lambda algorithm: _NoHash())  # noqa: B010
     try:
         yield
     finally:
-        setattr(atomic, "zlib", real)  # noqa: B010
+        setattr(atomic, "hasher", real)  # noqa: B010
+
+
+def candidates(data: bytes) -> list[tuple[str, Callable[[], object]]]:
+    """Each hash to measure over ``data`` that is installed here: (name, work)."""
+    found: list[tuple[str, Callable[[], object]]] = []
+    with contextlib.suppress(ImportError):
+        xxhash = importlib.import_module("xxhash")
+        found.append(("XXH3-64 (`xxhash`), memory", lambda: xxhash.xxh3_64(data).intdigest()))
+
+        def pieces() -> object:
+            running, view = xxhash.xxh3_64(), memoryview(data)
+            for start in range(0, len(data), 1 << 20):
+                running.update(view[start : start + (1 << 20)])
+            return running.intdigest()
+
+        found.append(("XXH3-64, memory, a running sum of 1 MiB pieces", pieces))
+        found.append(("XXH64 (`xxhash`), memory", lambda: xxhash.xxh64(data).intdigest()))
+    with contextlib.suppress(ImportError):
+        crc32c = importlib.import_module("crc32c")
+        found.append(("CRC32C (`crc32c`), memory", lambda: crc32c.crc32c(data)))
+    with contextlib.suppress(ImportError):
+        google = importlib.import_module("google_crc32c")
+        found.append(("CRC32C (`google-crc32c`), memory", lambda: google.value(data)))
+    found.append(("CRC-32 (`zlib.crc32`), memory", lambda: zlib.crc32(data)))
+    found.append(("BLAKE2b, memory", lambda: hashlib.blake2b(data).digest()))
+    found.append(("SHA-256, memory", lambda: hashlib.sha256(data).digest()))
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hash-only", action="store_true", help="only the hashes' speeds")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="bench-checksums-"))
     try:
         data = os.urandom(256 << 20)
-        print("| hash | GiB/s |\n|---|---:|")
-        print(f"| CRC-32 (zlib), memory | {speed(lambda: zlib.crc32(data), len(data)):.2f} |")
-        blake = speed(lambda: hashlib.blake2b(data).digest(), len(data))
-        print(f"| BLAKE2b, memory | {blake:.2f} |")
-        sha = speed(lambda: hashlib.sha256(data).digest(), len(data))
-        print(f"| SHA-256, memory | {sha:.2f} |")
+        print(f"load average (1, 5, 15 min): {os.getloadavg()}; ddpctx records {chosen()}\n")
+        print(f"| hash | GiB/s (best of {args.rounds}) |\n|---|---:|")
+        for name, work in candidates(data):
+            print(f"| {name} | {speed(work, len(data), args.rounds):.2f} |")
         big = folder / "big.bin"
         with big.open("wb") as stream:
             for _ in range(4):
                 stream.write(data)
-        cached = speed(lambda: file_sum(big), 1 << 30)
-        print(f"| CRC-32, 1 GiB file in the page cache | {cached:.2f} |")
+        cached = speed(lambda: file_sum(big), 1 << 30, args.rounds)
+        print(f"| `file_sum` ({chosen()}), 1 GiB file in the page cache | {cached:.2f} |")
         big.unlink()
         data = b""
+        print(f"\nload average after: {os.getloadavg()}")
+        if args.hash_only:
+            return
 
         elements = int(args.gib * 2**30 / 4)
         model = nn.Linear(elements // 1024, 1024, bias=False)
@@ -97,7 +141,7 @@ def main() -> None:
                 ctx.load_checkpoint(run, model=model)
                 verified.append(time.perf_counter() - start)
                 plain = folder / f"plain{round_}"
-                with without_crc():
+                with without_hash():
                     start = time.perf_counter()
                     ctx.save_checkpoint(plain, model=model, epoch=round_)
                     plain_saves.append(time.perf_counter() - start)
@@ -112,8 +156,8 @@ def main() -> None:
         size = elements * 4 / 2**30
         print(f"\n{size:.2f} GiB checkpoint, median of {args.rounds} rounds:\n")
         print("| operation | seconds |\n|---|---:|")
-        print(f"| save_checkpoint (CRC while writing) | {statistics.median(saves):.2f} |")
-        print(f"| save_checkpoint, CRC patched out | {statistics.median(plain_saves):.2f} |")
+        print(f"| save_checkpoint (hashed while writing) | {statistics.median(saves):.2f} |")
+        print(f"| save_checkpoint, hashing patched out | {statistics.median(plain_saves):.2f} |")
         print(f"| load_checkpoint, verified | {statistics.median(verified):.2f} |")
         print(f"| load_checkpoint, no manifest | {statistics.median(unverified):.2f} |")
     finally:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,15 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ddpctx import DistContext, RankError, current, distributed
-from ddpctx.checkpoint.sums import write_manifest
+from ddpctx.checkpoint.sums import (
+    OF_PARTS,
+    RefusedCheckpoint,
+    file_record,
+    read_manifest,
+    tiles,
+    write_manifest,
+)
+from ddpctx.utils import digest
 from tests.helpers import (
     REPO,
     checkpoint_names,
@@ -428,3 +439,141 @@ def test_a_run_that_skipped_a_damaged_newest_checkpoint_saves_again(tmp_path: Pa
         loaded = ctx.load_checkpoint(tmp_path, model=model)
         assert loaded is not None
         assert loaded["step"] == 15
+
+
+def as_crc32_manifest(manifest: Path) -> None:
+    """Rewrite ``manifest`` as a ddpctx before XXH3-64 wrote it: format 1, CRC-32 of every file
+    and of every part (the same spans), its own CRC-32 trailer."""
+    recorded = read_manifest(manifest)
+    assert isinstance(recorded, dict)
+    files: dict[str, dict[str, Any]] = {}
+    for name, record in recorded.items():
+        data = (manifest.parent / name).read_bytes()
+        files[name] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        if record.parts:
+            files[name]["parts"] = [
+                [o, n, f"{zlib.crc32(data[o : o + n]):08x}"] for o, n, _ in record.parts
+            ]
+    body = json.dumps(
+        {"format": "ddpctx-sums-1", "algorithm": "crc32", "files": files},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+    manifest.write_text(f"{body}\ncrc32 {zlib.crc32(body.encode()):08x}\n")
+
+
+def renamed_algorithm(manifest: Path, algorithm: str) -> None:
+    """The manifest as it is, naming another checksum algorithm (its trailer recomputed)."""
+    body = json.loads(manifest.read_text().splitlines()[0])
+    body["algorithm"] = algorithm
+    text = json.dumps(body, separators=(",", ":"), sort_keys=True)
+    manifest.write_text(f"{text}\ncrc32 {zlib.crc32(text.encode()):08x}\n")
+
+
+def the_manifest(folder: Path) -> Path:
+    return next(p for p in newest_files(folder) if p.name.endswith(".sums"))
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["file", "sharded"])
+def test_a_checkpoint_with_an_old_crc32_manifest_still_verifies_and_a_flipped_bit_is_caught(
+    run_distributed: Any, tmp_path: Path, shard: bool
+) -> None:
+    run_distributed(save_two, str(tmp_path), shard, world_size=2)
+    manifest = the_manifest(tmp_path)
+    assert json.loads(manifest.read_text().splitlines()[0])["algorithm"] == "xxh3_64"
+    as_crc32_manifest(manifest)
+    result = run_distributed(load_newest, str(tmp_path), shard, world_size=2)[0]
+    assert result["meta"] == {"epoch": 1}, result["warnings"]
+    assert result["warnings"] == []  # verified, not "loaded unverified"
+    # rank 1's own shard (read by rank 1 alone), or the one .pt every rank reads
+    kind = "__1_0.distcp" if shard else ".pt"
+    target = next(p for p in newest_files(tmp_path) if p.name.endswith(kind))
+    flip_byte(target, target.stat().st_size // 2, 0x10)
+    results = run_distributed(load_newest, str(tmp_path), shard, world_size=2)
+    for result in results:  # every rank falls back to the same older checkpoint
+        assert result["meta"] == {"epoch": 0}, result["warnings"]
+    assert any("has CRC-32" in m and target.name in m for m in results[0]["warnings"])
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["file", "sharded"])
+def test_a_manifest_naming_an_unknown_algorithm_is_refused_naming_it(
+    run_distributed: Any, tmp_path: Path, shard: bool
+) -> None:
+    run_distributed(save_two, str(tmp_path), shard, world_size=2)
+    renamed_algorithm(the_manifest(tmp_path), "blake9")
+    with pytest.raises(RankError, match=r"checksum algorithm 'blake9'.*does not know"):
+        run_distributed(load_newest, str(tmp_path), shard, world_size=2)
+
+
+def test_without_xxhash_checksums_are_crc32_warned_once_and_still_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    digest._xxhash.cache_clear()
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # ``import xxhash`` raises ImportError
+    try:
+        with distributed() as ctx, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = ctx.wrap(tiny_model(3))
+            for epoch in range(2):
+                ctx.save_checkpoint(tmp_path / "file", model=model, epoch=epoch)
+                ctx.save_checkpoint(
+                    tmp_path / "sharded", model=ctx.shard(tiny_model(3)), epoch=epoch
+                )
+            for kind in ("file", "sharded"):
+                manifest = the_manifest(tmp_path / kind)
+                assert json.loads(manifest.read_text().splitlines()[0])["algorithm"] == "crc32"
+                fresh = tiny_model(7)
+                assert ctx.load_checkpoint(tmp_path / kind, model=fresh) == {"epoch": 1}
+                assert all(
+                    torch.equal(a, b)
+                    for a, b in zip(
+                        fresh.state_dict().values(),
+                        tiny_model(3).state_dict().values(),
+                        strict=True,
+                    )
+                )
+        said = [str(w.message) for w in caught if "xxhash" in str(w.message)]
+        assert len(said) == 1, said
+        assert "pip install xxhash" in said[0]
+    finally:
+        monkeypatch.undo()
+        digest._xxhash.cache_clear()
+    with distributed() as ctx:  # xxhash back: the CRC-32 checkpoints still verify and load
+        assert ctx.load_checkpoint(tmp_path / "file", model=tiny_model(7)) == {"epoch": 1}
+
+
+def test_an_xxh3_checkpoint_without_xxhash_is_refused_saying_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with distributed() as ctx:
+        ctx.save_checkpoint(tmp_path, model=tiny_model(), epoch=0)
+    digest._xxhash.cache_clear()
+    monkeypatch.setitem(sys.modules, "xxhash", None)
+    try:
+        with distributed() as ctx, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(RefusedCheckpoint, match=r"XXH3-64.*pip install xxhash"):
+                ctx.load_checkpoint(tmp_path, model=tiny_model())
+    finally:
+        monkeypatch.undo()
+        digest._xxhash.cache_clear()
+
+
+def test_a_sharded_save_records_each_shard_as_its_entries_hashed_as_dcp_wrote_them(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    run_distributed(save_two, str(tmp_path), True, world_size=2)
+    manifest = the_manifest(tmp_path)
+    recorded = read_manifest(manifest)
+    assert isinstance(recorded, dict)
+    shards = [name for name in recorded if name.endswith(".distcp")]
+    assert len(shards) == 2
+    for name, record in recorded.items():  # differential: the bytes on disk, hashed again
+        spans = [(offset, length) for offset, length, _ in record.parts]
+        again = file_record(manifest.parent / name, spans, record.algorithm)
+        assert again.parts == record.parts, name
+        if name in shards:  # hashed once, entry by entry: the shard is its entries
+            assert record.digest == OF_PARTS, name
+            assert tiles(record.parts, record.size), name
+        else:
+            assert again.digest == record.digest, name

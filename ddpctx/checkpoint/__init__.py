@@ -9,6 +9,7 @@
 - :mod:`~ddpctx.checkpoint.shardload`: a sharded checkpoint loaded, each rank verifying its reads.
 - :mod:`~ddpctx.checkpoint.shardfiles`: sharded checkpoint directories: names, newest, pruning.
 - :mod:`~ddpctx.checkpoint.dcpread`: DCP's files read as data, never as code, verified as read.
+- :mod:`~ddpctx.checkpoint.mapped`: shard files mapped, read by ``torch.load`` with one copy.
 - :mod:`~ddpctx.checkpoint.together`: each rank verifies what it reads; one gather decides.
 - :mod:`~ddpctx.checkpoint.pending`: ``async_save=True``, a sharded save written while training.
 - :mod:`~ddpctx.checkpoint.shardwriter`: DCP's file writer, keeping a failed write's ``errno``.

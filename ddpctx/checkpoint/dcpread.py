@@ -18,7 +18,7 @@ recompute a CRC. So ddpctx never lets DCP unpickle a checkpoint file:
   names inside the checkpoint's directory. Its bytes are first checked
   against the manifest, when there is one.
 - :class:`Reader` is DCP's ``FileSystemReader`` with that ``.metadata`` and
-  its own ``read_data``: each entry's bytes are read once, their CRC-32
+  its own ``read_data``: each entry's bytes are read once, their checksum
   compared with the manifest's record of that entry (a rank verifies exactly
   the bytes it reads, while reading them), then loaded with
   ``weights_only=True``: a tensor as DCP does, a non-tensor entry only if
@@ -50,7 +50,7 @@ import pathlib
 import pickle
 from collections import OrderedDict
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
@@ -59,7 +59,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ddpctx.checkpoint.files import RefusedCheckpoint
-from ddpctx.checkpoint.sums import Damaged, Recorded, crc, file_damage, verified_bytes
+from ddpctx.checkpoint.mapped import View, entry_bytes
+from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
+from ddpctx.utils.digest import hasher
 
 METADATA_FILE = ".metadata"
 
@@ -274,7 +276,7 @@ class Reader(FileSystemReader):
     def _read_file(self, path: Path, items: list[ReadItem], planner: LoadPlanner) -> None:
         record = self._record_of(path)
         parts = (
-            {(offset, length): crc32 for offset, length, crc32 in record.parts} if record else {}
+            {(offset, length): value for offset, length, value in record.parts} if record else {}
         )
         spans = [self.storage_data[item.storage_index] for item in items]
         if record and any((s.offset, s.length) not in parts for s in spans):
@@ -284,30 +286,36 @@ class Reader(FileSystemReader):
         except FileNotFoundError:
             raise Damaged(str(path), f"{path.name!r} is missing") from None
         with stream:
-            if record is not None and (size := _size(stream)) != record.size:
+            size = _size(stream)
+            if record is not None and size != record.size:
                 raise Damaged(
                     str(path),
                     f"{path.name!r} has {size} bytes, and {record.size} were saved "
                     "(torn or truncated)",
                 )
             for item, info in sorted(zip(items, spans, strict=True), key=lambda i: i[1].offset):
-                stream.seek(info.offset)
-                data = stream.read(info.length)
-                entry = item.storage_index.fqn
-                if len(data) != info.length:
-                    raise Damaged(
-                        str(path),
-                        f"{path.name!r} ends before its entry {entry!r} does (torn or truncated)",
-                    )
-                expected = parts.get((info.offset, info.length))
-                if expected is not None and (seen := crc(data)) != expected:
-                    raise Damaged(
-                        str(path),
-                        f"{path.name!r} bytes {info.offset}-{info.offset + info.length} (entry "
-                        f"{entry!r}) have CRC-32 {seen}, and {expected} was recorded when it "
-                        "was saved",
-                    )
-                self._load(item, info, data, path, planner)
+                with entry_bytes(stream, size, info.offset, info.length) as data:
+                    entry = item.storage_index.fqn
+                    if len(data) != info.length:
+                        raise Damaged(
+                            str(path),
+                            f"{path.name!r} ends before its entry {entry!r} does (torn or "
+                            "truncated)",
+                        )
+                    expected = parts.get((info.offset, info.length))
+                    if expected is not None and record is not None:
+                        self._check(path, record, info, entry, data, expected)
+                    self._load(item, info, data, path, planner)
+
+    @staticmethod
+    def _check(
+        path: Path, record: Recorded, info: Any, entry: str, data: memoryview, expected: str
+    ) -> None:
+        running = hasher(record.algorithm)
+        running.update(data)
+        if (seen := running.hexdigest()) != expected:
+            where = f" bytes {info.offset}-{info.offset + info.length} (entry {entry!r})"
+            raise Damaged(str(path), mismatch(path.name, record.algorithm, seen, expected, where))
 
     def _verify_whole(self, path: Path, record: Recorded) -> None:
         if path.name not in self._whole_verified:
@@ -316,13 +324,13 @@ class Reader(FileSystemReader):
             self._whole_verified.add(path.name)
 
     def _load(
-        self, item: ReadItem, info: Any, data: bytes, path: Path, planner: LoadPlanner
+        self, item: ReadItem, info: Any, data: memoryview, path: Path, planner: LoadPlanner
     ) -> None:
-        stream: IO[bytes] = io.BytesIO(data)
+        stream: IO[bytes] = cast(IO[bytes], View(data))
         descriptors = getattr(info, "transform_descriptors", None) or ()
         transforms = getattr(self, "transforms", None)
         if descriptors and transforms is not None:
-            stream = transforms.transform_load_stream(item, descriptors, stream)
+            stream = transforms.transform_load_stream(item, descriptors, io.BytesIO(data))
             if not stream.seekable():
                 stream = io.BytesIO(stream.read())
         entry = item.storage_index.fqn

@@ -10,7 +10,7 @@
   **every rank's** generator states, so each rank resumes with exactly its
   own random stream.
 - Beside each file, ``checkpoint-000007-epoch3.pt.sums`` records its size and
-  CRC-32 (:mod:`ddpctx.checkpoint.sums`), written before the file is renamed
+  checksum (:mod:`ddpctx.checkpoint.sums`), written before the file is renamed
   into place; copy both.
 - Three cases are told apart: a file *torn* by a crash or *damaged* since
   it was saved (not a readable torch file, or not the bytes its manifest
@@ -64,7 +64,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpctx.checkpoint.sums import Torn, found_damaged, intact, sidecar, sizes_differ
+from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
+from ddpctx.checkpoint.sums import (
+    Torn,
+    found_damaged,
+    intact,
+    sidecar,
+    sizes_differ,
+)
 from ddpctx.parallel.wrapping import unwrap_model
 from ddpctx.utils.atomic import atomic_save, remove_abandoned
 from ddpctx.utils.warn import warn_user
@@ -184,10 +191,6 @@ def refuse_a_file(directory: Path) -> None:
         "restores the newest checkpoint in it. Pass the directory (to resume from an older "
         "checkpoint, move the newer ones out of it)."
     )
-
-
-class RefusedCheckpoint(RuntimeError):
-    """A checkpoint file that reads but cannot be used: an error, never a silent skip."""
 
 
 def read_state(

@@ -83,7 +83,7 @@ class Pending:
             response = async_save(
                 sharded_state(model, optimizer),
                 checkpoint_id=prepared.temporary,
-                storage_writer=Writer(prepared.temporary, prepared.written),
+                storage_writer=Writer(prepared.temporary, prepared.written, prepared.hashed),
                 process_group=self.group,
             )
         except BaseException as error:  # e.g. the planning step failed on some rank

@@ -10,9 +10,10 @@ in the same sequence: ``checkpoint-000008-epoch3-step120.dcp/``. It holds
   size, the meta, every rank's random state, every loader's position, and the
   scheduler, AMP scaler and ``extra`` states (the same on every rank);
 - ``ddpctx.sums``, written by rank 0 last: every other file's size and
-  CRC-32, and of each shard the CRC-32 of every entry DCP wrote into it
-  (:mod:`ddpctx.checkpoint.sums`; each rank reads back its own shards once,
-  checksumming them whole and entry by entry).
+  checksum, and of each shard the checksum of every entry DCP wrote into it
+  (:mod:`ddpctx.checkpoint.sums`). Each rank hashes its shards as DCP writes
+  them (:mod:`ddpctx.checkpoint.shardwriter`), whole and entry by entry, and
+  reads none of them back.
 
 Atomic: every rank writes into ``.<name>.<host>.<pid>.<random>.tmp/``; once
 DCP's save has returned on every rank (its metadata file is written after
@@ -65,11 +66,13 @@ from ddpctx.checkpoint.shardfiles import (
     prune_dirs,
 )
 from ddpctx.checkpoint.sums import (
+    OF_PARTS,
     SHARDED_MANIFEST,
     FileSum,
     Recorded,
     file_record,
     file_sum,
+    tiles,
     write_manifest,
 )
 from ddpctx.checkpoint.writefailures import as_os_error, is_write_failure
@@ -79,6 +82,7 @@ from ddpctx.parallel.sharding import sharding_of
 from ddpctx.rankzero.outcome import on_rank_zero
 from ddpctx.reduce.objects import all_gather_objects
 from ddpctx.utils.atomic import atomic_save, fsync_directory, temporary_name
+from ddpctx.utils.digest import chosen
 from ddpctx.utils.identity import Place
 from ddpctx.utils.seeding import rng_state
 
@@ -111,17 +115,21 @@ def _refuse_sharded_extra(extra: dict[str, Any]) -> None:
 
 
 def dcp_save(
-    state: dict[str, Any], checkpoint_id: Path, written: list[tuple[str, int, int]]
+    state: dict[str, Any],
+    checkpoint_id: Path,
+    written: list[tuple[str, int, int]],
+    hashed: dict[str, Any],
 ) -> Any:
     """DCP's ``save``, imported when first used (DCP costs about a second of import time).
 
-    ``written`` receives this rank's entries (file name, offset, length).
+    ``written`` receives this rank's entries (file name, offset, length), ``hashed``
+    the checksums of the files it wrote (:class:`~ddpctx.checkpoint.shardwriter.Hashed`).
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
     from ddpctx.checkpoint.shardwriter import Writer
 
-    writer = Writer(checkpoint_id, written)
+    writer = Writer(checkpoint_id, written, hashed)
     return save(state, checkpoint_id=checkpoint_id, storage_writer=writer)
 
 
@@ -146,6 +154,7 @@ class Prepared:
     keep: int
     state: dict[str, Any]  # ddpctx.pt: everything but the shards, captured at the save call
     written: list[tuple[str, int, int]] = field(default_factory=list)  # this rank's entries
+    hashed: dict[str, Any] = field(default_factory=dict)  # name -> shardwriter.Hashed
 
 
 def prepare(
@@ -205,22 +214,36 @@ def prepare(
 
 
 def confirm_parts(place: Place, prepared: Prepared) -> list[dict[str, Recorded]]:
-    """Every rank's word that its shards are written, with their sizes and CRCs (collective).
+    """Every rank's word that its shards are written, with their sizes and checksums (collective).
 
-    Each rank reads back the files it wrote (DCP names them ``__<rank>_*``),
-    once, checksumming each whole file and each entry DCP wrote into it (what
-    a loading rank verifies as it reads the entries it needs). A rank that
-    died cannot answer: the gather then fails on the others, and nothing is
-    published.
+    The checksums are those hashed as DCP wrote the files (``prepared.hashed``):
+    each whole file's, and each entry's (what a loading rank verifies as it reads
+    the entries it needs). A file of this rank (DCP names them ``__<rank>_*``)
+    that was not hashed so -- an entry that is not one segment, a writer in
+    another process -- is read back once instead. A rank that died cannot
+    answer: the gather then fails on the others, and nothing is published.
     """
     spans: dict[str, list[tuple[int, int]]] = {}
     for name, offset, length in prepared.written:
         spans.setdefault(name, []).append((offset, length))
     mine = {
-        path.name: file_record(path, spans.get(path.name, ()))
+        path.name: _record_of(path, spans.get(path.name, []), prepared.hashed.get(path.name))
         for path in prepared.temporary.glob(f"__{place.rank}_*")
     }
     return [mine] if place.world_size == 1 else all_gather_objects(mine)
+
+
+def _record_of(path: Path, spans: list[tuple[int, int]], hashed: Any) -> Recorded:
+    """The manifest's record of the shard ``path``: from its write's hashes, else read back."""
+    if hashed is not None and all(span in hashed.segments for span in spans):
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = -1
+        parts = tuple((o, n, hashed.segments[(o, n)]) for o, n in sorted(set(spans)))
+        if size == hashed.size and tiles(parts, size):  # the file is its entries
+            return Recorded(size, OF_PARTS, parts, hashed.algorithm)
+    return file_record(path, spans)
 
 
 def finish(place: Place, prepared: Prepared, parts: list[dict[str, Recorded]]) -> Path:
@@ -259,6 +282,10 @@ def seal(prepared: Prepared, sums: dict[str, FileSum | Recorded]) -> None:
             f"kept: {error}. Some state_dict (scheduler, scaler or extra) holds a value "
             "weights_only refuses; convert it to plain values."
         ) from error
+    for name, value in list(sums.items()):  # a rank without xxhash hashed with CRC-32
+        if isinstance(value, Recorded) and value.algorithm != chosen():
+            spans = [(offset, length) for offset, length, _ in value.parts]
+            sums[name] = file_record(temporary / name, spans)
     for path in temporary.iterdir():  # DCP's .metadata, and whatever no rank claimed
         if path.name not in sums and path.is_file():
             sums[path.name] = file_sum(path)
@@ -309,7 +336,12 @@ def save(
         claims=claims,
     )
     try:
-        dcp_save(sharded_state(model, optimizer), prepared.temporary, prepared.written)
+        dcp_save(
+            sharded_state(model, optimizer),
+            prepared.temporary,
+            prepared.written,
+            prepared.hashed,
+        )
     except BaseException as error:  # DCP raises on every rank when any rank's write failed
         abandon(place, prepared)
         if is_write_failure(error):  # a BaseException: an OSError naming the path instead

@@ -1,6 +1,16 @@
-"""DCP's file writer, with the ``errno`` of a failed write kept rather than lost.
+"""DCP's file writer: each shard hashed as it is written; a failed write's ``errno`` kept.
 
-DCP writes each rank's shards with ``torch.save`` into a Python file. When
+Checksums while writing: every byte DCP writes into a shard passes through
+:class:`_RecordingStream`, which hashes it (:mod:`ddpctx.utils.digest`)
+into the checksum of the current *segment*. DCP asks the stream's position
+(``tell``) before and after each entry it writes, so each segment between
+two ``tell`` calls is exactly one entry: its checksum is that entry's part
+in the manifest (:mod:`ddpctx.checkpoint.sums`). The entries cover the
+shard end to end, so the shard is recorded as its parts, each byte hashed
+once, and no shard is read back to checksum it.
+:class:`Hashed` is what a file's stream recorded.
+
+Errors: DCP writes each rank's shards with ``torch.save`` into a Python file. When
 the disk fills, the ``OSError(ENOSPC)`` of ``write`` is swallowed by torch's
 C++ zip writer, which then reports ``[enforce fail at inline_container.cc]
 ... unexpected pos 704 vs 598``: nothing says the disk is full. The
@@ -25,6 +35,7 @@ import os
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,32 +44,75 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ddpctx.utils.digest import Hasher, chosen, hasher
+
+
+@dataclass
+class Hashed:
+    """What the stream of one written file hashed: its size and its segments' checksums.
+
+    ``segments``: (offset, length) -> checksum of each stretch between two ``tell`` calls.
+    """
+
+    algorithm: str
+    size: int = 0
+    segments: dict[tuple[int, int], str] = field(default_factory=dict)
+
 
 class _RecordingStream:
-    """A file whose ``write`` failures are remembered by its file system; the rest passes."""
+    """A file that hashes what is written, segment by segment, and whose ``write``
+    failures are remembered by its file system; the rest passes."""
 
     def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
         self._stream = stream
         self._path = path
         self._failures = failures
+        self.hashed = Hashed(chosen())
+        self._segment: Hasher = hasher(self.hashed.algorithm)
+        self._start = 0  # where the current segment began
+        self._position = 0  # bytes written so far
 
     def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
         try:
-            return int(self._stream.write(data))
+            count = int(self._stream.write(view))
         except OSError as error:
             self._failures.append((self._path, error))
             raise
+        self._segment.update(view[:count])
+        self._position += count
+        return count
+
+    def tell(self) -> int:
+        """The position, and the end of a segment: DCP asks it around every entry."""
+        self._cut()
+        return int(self._stream.tell())
+
+    def _cut(self) -> None:
+        if self._position > self._start:
+            span = (self._start, self._position - self._start)
+            self.hashed.segments[span] = self._segment.hexdigest()
+            self._segment = hasher(self.hashed.algorithm)
+            self._start = self._position
+
+    def finished(self) -> Hashed:
+        """The file's sums, once every byte is written."""
+        self._cut()
+        self.hashed.size = self._position
+        return self.hashed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
 class RecordingFileSystem(FileSystem):
-    """DCP's local file system; ``failures`` holds every failed write's path and error."""
+    """DCP's local file system; ``failures`` holds every failed write's path and error,
+    ``hashed`` each file written whole: its name -> :class:`Hashed`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.failures: list[tuple[Path, OSError]] = []
+        self.hashed: dict[str, Hashed] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -68,32 +122,40 @@ class RecordingFileSystem(FileSystem):
                 yield stream
                 return
             seen: list[tuple[Path, OSError]] = []
+            recording = _RecordingStream(stream, Path(path), seen)
             try:
-                yield _RecordingStream(stream, Path(path), seen)
+                yield recording
             except OSError as error:  # e.g. the close flushed into a full disk
                 seen.append((Path(path), error))
                 raise
             finally:
                 with self._lock:
                     self.failures.extend(seen)
+            if "w" in mode and "+" not in mode and not seen:  # written from its first byte
+                with self._lock:
+                    self.hashed[Path(path).name] = recording.finished()
 
 
 class Writer(FileSystemWriter):
     """``FileSystemWriter`` whose failed writes raise the ``OSError`` that caused them.
 
     ``written`` (if given) receives each entry written on this rank: its file's
-    name, offset and length (what :func:`~ddpctx.checkpoint.sharded.confirm_parts`
-    checksums one by one).
+    name, offset and length; ``hashed`` (if given) each file's :class:`Hashed`
+    (what :func:`~ddpctx.checkpoint.sharded.confirm_parts` records).
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         written: list[tuple[str, int, int]] | None = None,
+        hashed: dict[str, Hashed] | None = None,
         **options: Any,
     ) -> None:
         super().__init__(path, **options)
-        self.fs = RecordingFileSystem()
+        fs = RecordingFileSystem()
+        if hashed is not None:
+            fs.hashed = hashed  # filled as each file is closed
+        self.fs = fs
         self._written = written
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

@@ -5,6 +5,7 @@
 - :mod:`~ddpctx.utils.conflicts`: two launchers' variables that disagree, named.
 - :mod:`~ddpctx.utils.seeding`: seeds, worker seeds, RNG state capture and restore.
 - :mod:`~ddpctx.utils.atomic`: files and directories that appear whole or not at all.
+- :mod:`~ddpctx.utils.digest`: running checksums of checkpoint bytes (XXH3-64, or CRC-32).
 - :mod:`~ddpctx.utils.errors`: a rank's own failure vs. the errors it causes on others;
   torchrun's error file.
 - :mod:`~ddpctx.utils.identity`: who this process is (the one "current context" slot).

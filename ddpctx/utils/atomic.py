@@ -35,12 +35,13 @@ import shutil
 import socket
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ddpctx.utils.digest import chosen, hasher
 
 #: A temporary untouched this long is taken as abandoned even if its writer's
 #: pid cannot be checked (another host on a shared filesystem).
@@ -100,12 +101,12 @@ class _FileSink:
     def __init__(self, descriptor: int) -> None:
         self.descriptor = descriptor
         self.written = 0
-        self.crc = 0  # CRC-32 of every byte written, for a checksum manifest
+        self.sum = hasher(chosen())  # of every byte written, for a checksum manifest
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
+        self.sum.update(view)
         try:
             while view:
                 count = os.write(self.descriptor, view)
@@ -136,8 +137,9 @@ def atomic_save(
 ) -> None:
     """``torch.save`` that never leaves a torn file at ``path``.
 
-    ``before_publish`` gets the file's size and CRC-32 (8 hex digits) once it
-    is written and synced, before it is renamed into place (to record them).
+    ``before_publish`` gets the file's size and checksum (hex digits, in the
+    algorithm of :func:`~ddpctx.utils.digest.chosen`) once it is written and
+    synced, before it is renamed into place (to record them).
     """
     directory = path.parent
     if not directory.is_dir():
@@ -175,7 +177,7 @@ def atomic_save(
         finally:
             os.close(descriptor)
         if before_publish is not None:
-            before_publish((sink.written, f"{sink.crc:08x}"))
+            before_publish((sink.written, sink.sum.hexdigest()))
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
