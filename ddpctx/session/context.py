@@ -254,9 +254,11 @@ class DistributedSession:
             )
             context._after_shard = hook_fsdp_roots
             context._collective_call = partial(guarded_collective, doctor)
-            start_watching(context, plan.watching, plan.info, plan.device, doctor.tracker, stack)
+            # Occupied before the first collective (start_watching's): collectives belong to
+            # the thread that entered, which under Ray Train is not the main thread.
             occupy(context)
             stack.callback(occupy, None)
+            start_watching(context, plan.watching, plan.info, plan.device, doctor.tracker, stack)
             stack.callback(end_of_block)  # unread async handles never reach the next block
             stack.callback(context._writer_claims.release)  # after any async save is finished
             self._context = context

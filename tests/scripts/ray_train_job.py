@@ -1,0 +1,105 @@
+"""One ddpctx training function, run unchanged by Ray Train and by torchrun.
+
+    python ray_train_job.py ray OUT       # a local Ray cluster, TorchTrainer, 2 CPU workers
+    python ray_train_job.py ray-kill OUT  # the same, rank 1 SIGKILLed in its block
+    torchrun --nproc_per_node=2 ray_train_job.py torchrun OUT
+
+Each rank writes ``OUT/rank<r>.json`` with what it saw; tests/test_ray.py checks
+them. Ray is started on loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+makes Ray use 127.0.0.1 as the node address, and so as ``MASTER_ADDR``), with
+no dashboard and no usage statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddpctx import distributed
+
+SEED = 7
+
+
+def body(out: str, kill: bool = False) -> None:
+    """The user's training function: nothing in it knows which launcher runs it."""
+    folder = Path(out)
+    seen: dict[str, Any] = {}
+    with distributed(seed=SEED, log_dir=folder / "logs") as ctx:
+        seen.update(
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            local_rank=ctx.local_rank,
+            local_world_size=ctx.local_world_size,
+            node_rank=ctx.node_rank,
+            launcher=ctx.launcher,
+            seed=ctx.seed,
+            device=str(ctx.device),
+            draws=[random.random(), float(np.random.rand()), float(torch.rand(()))],
+        )
+        loader = ctx.dataloader(list(range(10)), batch_size=2, shuffle=True)
+        seen["shard"] = [int(i) for batch in loader for i in batch]
+        seen["total"] = ctx.all_reduce({"x": ctx.rank + 1}, op="sum")["x"]
+        if kill and ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # rank 0 waits in the next collective
+        model = torch.nn.Linear(3, 2)
+        ctx.save_checkpoint(folder / "checkpoints", model=model, epoch=0)
+        seen["weights"] = model.weight.detach().flatten().tolist()
+        seen["logged"] = ctx.log({"loss": float(ctx.rank)}, step=0)
+    seen["group_after_block"] = dist.is_initialized()
+    if dist.is_initialized():  # Ray's group, left alive: a collective still works
+        value = torch.tensor([1.0])
+        dist.all_reduce(value)
+        seen["after_block_sum"] = float(value.item())
+    with distributed() as again:  # a second block in the same function, no seed
+        resumed = torch.nn.Linear(3, 2)
+        seen["resumed_meta"] = again.load_checkpoint(folder / "checkpoints", model=resumed)
+        seen["resumed_weights"] = resumed.weight.detach().flatten().tolist()
+        seen["second_seed"] = again.seed
+        seen["second_launcher"] = again.launcher
+        seen["second_total"] = again.all_reduce({"x": 1}, op="sum")["x"]
+    (folder / f"rank{seen['rank']}.json").write_text(json.dumps(seen))
+
+
+def run_on_ray(out: str, kill: bool) -> int:
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node address 127.0.0.1
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    started = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    try:
+        trainer = TorchTrainer(
+            lambda config: body(config["out"], config["kill"]),
+            train_loop_config={"out": out, "kill": kill},
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+            run_config=RunConfig(storage_path=str(Path(out) / "ray"), name="job"),
+        )
+        try:
+            trainer.fit()
+        except Exception as error:  # the killed run: Ray reports the lost worker
+            print(f"FIT FAILED: {type(error).__name__}: {error}", flush=True)
+            return 3
+    finally:
+        ray.shutdown()
+        print(f"RAY SECONDS {time.monotonic() - started:.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "torchrun":
+        body(out)
+    else:
+        sys.exit(run_on_ray(out, kill=mode == "ray-kill"))
