@@ -1,13 +1,14 @@
 """One ddpctx training function, run unchanged by Ray Train and by torchrun.
 
-    python ray_train_job.py ray OUT       # a local Ray cluster, TorchTrainer, 2 CPU workers
-    python ray_train_job.py ray-kill OUT  # the same, rank 1 SIGKILLed in its block
+    python ray_train_job.py ray OUT  # a local Ray cluster, TorchTrainer, 2 CPU workers
     torchrun --nproc_per_node=2 ray_train_job.py torchrun OUT
 
-Each rank writes ``OUT/rank<r>.json`` with what it saw; tests/test_ray.py checks
-them. Ray is started on loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
-makes Ray use 127.0.0.1 as the node address, and so as ``MASTER_ADDR``), with
-no dashboard and no usage statistics.
+Under Ray, two runs share one cluster: ``OUT/run`` as is, and ``OUT/kill``,
+where rank 1 is SIGKILLed inside its block. Each rank writes
+``<folder>/rank<r>.json`` with what it saw; tests/test_ray.py checks them.
+Ray is started on loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+makes Ray take 127.0.0.1 as the node address, and so as ``MASTER_ADDR``),
+with no dashboard and no usage statistics.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import ddpctx
 from ddpctx import distributed
 
 SEED = 7
@@ -70,7 +72,36 @@ def body(out: str, kill: bool = False) -> None:
     (folder / f"rank{seen['rank']}.json").write_text(json.dumps(seen))
 
 
-def run_on_ray(out: str, kill: bool) -> int:
+def train_and_report(config: dict[str, Any]) -> None:
+    """Ray's training function: the body, then ddpctx's checkpoints reported to Ray."""
+    import ray.train
+
+    body(config["out"], config["kill"])
+    folder = Path(config["out"]) / "checkpoints"
+    rank = ray.train.get_context().get_world_rank()
+    checkpoint = ray.train.Checkpoint.from_directory(str(folder)) if rank == 0 else None
+    ray.train.report({"epoch": 0}, checkpoint=checkpoint)  # every worker reports
+
+
+def load_reported(checkpoint: Any, folder: Path) -> None:
+    """In the driver: ddpctx reads the checkpoint Ray kept (from Ray's own storage).
+
+    One plain process, not the job's two ranks: ``checkpoint_meta`` and
+    ``load_weights``, which need no process group (``ctx.load_checkpoint`` at
+    world size 1 would refuse two ranks' random states).
+    """
+    with checkpoint.as_directory() as directory, distributed() as ctx:
+        seen = {
+            "launcher": ctx.launcher,
+            "meta": ddpctx.checkpoint_meta(directory),
+            "weights": ddpctx.load_weights(directory)["weight"].flatten().tolist(),
+            "path": checkpoint.path,
+        }
+    (folder / "reported.json").write_text(json.dumps(seen))
+
+
+def run_on_ray(out: str) -> int:
+    """Two TorchTrainer runs on one local cluster: ``OUT/run`` whole, ``OUT/kill`` killed."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node address 127.0.0.1
     import ray
@@ -80,17 +111,24 @@ def run_on_ray(out: str, kill: bool) -> int:
     started = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     try:
-        trainer = TorchTrainer(
-            lambda config: body(config["out"], config["kill"]),
-            train_loop_config={"out": out, "kill": kill},
-            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-            run_config=RunConfig(storage_path=str(Path(out) / "ray"), name="job"),
-        )
-        try:
-            trainer.fit()
-        except Exception as error:  # the killed run: Ray reports the lost worker
-            print(f"FIT FAILED: {type(error).__name__}: {error}", flush=True)
-            return 3
+        for name, kill in (("run", False), ("kill", True)):
+            folder = Path(out) / name
+            folder.mkdir(parents=True)
+            trainer = TorchTrainer(
+                train_and_report,
+                train_loop_config={"out": str(folder), "kill": kill},
+                scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                run_config=RunConfig(storage_path=str(folder / "ray"), name=name),
+            )
+            began = time.monotonic()
+            try:
+                result = trainer.fit()
+                outcome = "FIT OK"
+                load_reported(result.checkpoint, folder)
+            except Exception as error:  # the killed run: Ray reports the lost worker
+                outcome = f"FIT FAILED {type(error).__name__}: {error}"
+            print(f"{name}: {outcome} after {time.monotonic() - began:.1f} s", flush=True)
+            (folder / "outcome.txt").write_text(outcome)
     finally:
         ray.shutdown()
         print(f"RAY SECONDS {time.monotonic() - started:.1f}", flush=True)
@@ -102,4 +140,4 @@ if __name__ == "__main__":
     if mode == "torchrun":
         body(out)
     else:
-        sys.exit(run_on_ray(out, kill=mode == "ray-kill"))
+        sys.exit(run_on_ray(out))
