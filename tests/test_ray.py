@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,6 +39,9 @@ from tests.helpers import REPO, child_env, patience, run_torchrun
 
 SCRIPT = REPO / "tests" / "scripts" / "ray_train_job.py"
 HAS_RAY = importlib.util.find_spec("ray") is not None
+#: The killed-worker run doubles the module's time (a second worker group starts):
+#: DDPCTX_RAY_KILL=1 adds it. Measured: the run fails naming rank 1, no process left.
+WITH_KILL = os.environ.get("DDPCTX_RAY_KILL") == "1"
 needs_ray = pytest.mark.skipif(
     not HAS_RAY, reason="Ray is not installed: pip install 'ddpctx[ray]' (ray[train])"
 )
@@ -143,8 +147,9 @@ def ray_run() -> Iterator[tuple[Path, str, float]]:
     root = Path(tempfile.mkdtemp(prefix="ddr", dir="/tmp"))
     env = child_env(DDPCTX_RAY_TEST=mark, RAY_TMPDIR=str(root / "t"))
     started = time.monotonic()
+    mode = "ray+kill" if WITH_KILL else "ray"
     driver = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "ray", str(root / "out")],
+        [sys.executable, str(SCRIPT), mode, str(root / "out")],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -174,11 +179,11 @@ def ray_run() -> Iterator[tuple[Path, str, float]]:
 
 
 @pytest.fixture(scope="module")
-def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("torchrun")
     done = run_torchrun(SCRIPT, "torchrun", str(out), timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
-    return out
+    return out, done.stderr
 
 
 def seen(folder: Path) -> list[dict[str, Any]]:
@@ -211,10 +216,10 @@ def test_a_torchtrainer_worker_adopts_rays_group_and_leaves_it(
 @pytest.mark.slow
 @needs_ray
 def test_the_same_function_under_torchrun_sees_the_same_run(
-    ray_run: tuple[Path, str, float], torchrun_run: Path
+    ray_run: tuple[Path, str, float], torchrun_run: tuple[Path, str]
 ) -> None:
     """Differential: seeds, shards, reductions, checkpoints and logs as under torchrun."""
-    under_ray, under_torchrun = seen(ray_run[0] / "run"), seen(torchrun_run)
+    under_ray, under_torchrun = seen(ray_run[0] / "run"), seen(torchrun_run[0])
     same = ("draws", "shard", "total", "weights", "logged", "resumed_meta", "resumed_weights")
     for ray_state, torchrun_state in zip(under_ray, under_torchrun, strict=True):
         assert torchrun_state["launcher"] == "torchrun"
@@ -222,6 +227,20 @@ def test_the_same_function_under_torchrun_sees_the_same_run(
         assert ray_state["resumed_weights"] == under_ray[0]["weights"]  # rank 0's, loaded
     lines = (ray_run[0] / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [{"step": 0, "loss": 0.5}]  # rank 0, once
+
+
+@pytest.mark.slow
+@needs_ray
+def test_the_hang_doctor_watches_rays_training_thread(
+    ray_run: tuple[Path, str, float], torchrun_run: tuple[Path, str]
+) -> None:
+    """Ray runs the function off the main thread; the report still names rank 1's line."""
+    line = next(
+        number for number, text in enumerate(SCRIPT.read_text().splitlines(), 1) if "# LATE" in text
+    )
+    for output in (ray_run[1], torchrun_run[1]):
+        assert "ddpctx hang report" in output, output[-4000:]
+        assert re.search(rf"rank 1: not in a collective +at \S*ray_train_job.py:{line} ", output)
 
 
 @pytest.mark.slow
@@ -239,6 +258,7 @@ def test_a_checkpoint_reported_to_ray_loads_with_ddpctx(
 
 @pytest.mark.slow
 @needs_ray
+@pytest.mark.skipif(not WITH_KILL, reason="a second Ray run (~25 s): DDPCTX_RAY_KILL=1 adds it")
 def test_a_worker_killed_in_its_block_fails_the_run_without_a_hang(
     ray_run: tuple[Path, str, float],
 ) -> None:
@@ -247,4 +267,4 @@ def test_a_worker_killed_in_its_block_fails_the_run_without_a_hang(
     assert outcome.startswith("FIT FAILED"), outcome
     assert "Rank 1" in outcome, outcome
     assert not (folder / "kill" / "rank0.json").exists()  # Ray stopped the survivor too
-    print(f"one Ray session, two runs: {seconds:.1f} s")
+    assert seconds < patience(120)  # with the first run: no wait for a collective timeout

@@ -1,10 +1,11 @@
 """One ddpctx training function, run unchanged by Ray Train and by torchrun.
 
     python ray_train_job.py ray OUT  # a local Ray cluster, TorchTrainer, 2 CPU workers
+    python ray_train_job.py ray+kill OUT  # then a second run on it, rank 1 killed
     torchrun --nproc_per_node=2 ray_train_job.py torchrun OUT
 
-Under Ray, two runs share one cluster: ``OUT/run`` as is, and ``OUT/kill``,
-where rank 1 is SIGKILLed inside its block. Each rank writes
+Under Ray the function runs in ``OUT/run``; with ``ray+kill`` a second run on
+the same cluster, in ``OUT/kill``, has rank 1 SIGKILLed inside its block. Each rank writes
 ``<folder>/rank<r>.json`` with what it saw; tests/test_ray.py checks them.
 Ray is started on loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
 makes Ray take 127.0.0.1 as the node address, and so as ``MASTER_ADDR``),
@@ -32,8 +33,11 @@ from ddpctx import distributed
 SEED = 7
 
 
-def body(out: str, kill: bool = False) -> None:
-    """The user's training function: nothing in it knows which launcher runs it."""
+def body(out: str, kill: bool = False, report: Any = None) -> None:
+    """The user's training function: nothing in it knows which launcher runs it.
+
+    ``report(ctx, path)``, given under Ray only, hands the checkpoint to Ray.
+    """
     folder = Path(out)
     seen: dict[str, Any] = {}
     with distributed(seed=SEED, log_dir=folder / "logs") as ctx:
@@ -54,7 +58,9 @@ def body(out: str, kill: bool = False) -> None:
         if kill and ctx.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # rank 0 waits in the next collective
         model = torch.nn.Linear(3, 2)
-        ctx.save_checkpoint(folder / "checkpoints", model=model, epoch=0)
+        path = ctx.save_checkpoint(folder / "checkpoints", model=model, epoch=0)
+        if report is not None:
+            report(ctx, path)
         seen["weights"] = model.weight.detach().flatten().tolist()
         seen["logged"] = ctx.log({"loss": float(ctx.rank)}, step=0)
     seen["group_after_block"] = dist.is_initialized()
@@ -69,18 +75,24 @@ def body(out: str, kill: bool = False) -> None:
         seen["second_seed"] = again.seed
         seen["second_launcher"] = again.launcher
         seen["second_total"] = again.all_reduce({"x": 1}, op="sum")["x"]
+    with distributed(hang_timeout=1) as late:  # the hang doctor watches this thread
+        if late.rank == 1:
+            time.sleep(4)  # LATE: rank 0's report names this line
+        late.barrier()
     (folder / f"rank{seen['rank']}.json").write_text(json.dumps(seen))
 
 
 def train_and_report(config: dict[str, Any]) -> None:
-    """Ray's training function: the body, then ddpctx's checkpoints reported to Ray."""
+    """Ray's training function: the body, its checkpoint reported to Ray as the guide says."""
     import ray.train
 
-    body(config["out"], config["kill"])
-    folder = Path(config["out"]) / "checkpoints"
-    rank = ray.train.get_context().get_world_rank()
-    checkpoint = ray.train.Checkpoint.from_directory(str(folder)) if rank == 0 else None
-    ray.train.report({"epoch": 0}, checkpoint=checkpoint)  # every worker reports
+    def report(ctx: Any, path: Path) -> None:
+        checkpoint = None
+        if ctx.is_main:
+            checkpoint = ray.train.Checkpoint.from_directory(str(path.parent))
+        ray.train.report({"epoch": 0}, checkpoint=checkpoint)  # every worker reports
+
+    body(config["out"], config["kill"], report)
 
 
 def load_reported(checkpoint: Any, folder: Path) -> None:
@@ -100,8 +112,8 @@ def load_reported(checkpoint: Any, folder: Path) -> None:
     (folder / "reported.json").write_text(json.dumps(seen))
 
 
-def run_on_ray(out: str) -> int:
-    """Two TorchTrainer runs on one local cluster: ``OUT/run`` whole, ``OUT/kill`` killed."""
+def run_on_ray(out: str, with_kill: bool) -> int:
+    """TorchTrainer runs on one local cluster: ``OUT/run`` whole, then ``OUT/kill`` killed."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # node address 127.0.0.1
     import ray
@@ -111,7 +123,8 @@ def run_on_ray(out: str) -> int:
     started = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     try:
-        for name, kill in (("run", False), ("kill", True)):
+        runs = [("run", False), ("kill", True)][: 2 if with_kill else 1]
+        for name, kill in runs:
             folder = Path(out) / name
             folder.mkdir(parents=True)
             trainer = TorchTrainer(
@@ -140,4 +153,4 @@ if __name__ == "__main__":
     if mode == "torchrun":
         body(out)
     else:
-        sys.exit(run_on_ray(out))
+        sys.exit(run_on_ray(out, with_kill=mode == "ray+kill"))
