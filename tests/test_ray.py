@@ -231,6 +231,18 @@ def test_the_same_function_under_torchrun_sees_the_same_run(
 
 @pytest.mark.slow
 @needs_ray
+def test_the_launching_guides_training_function_runs_under_ray(
+    ray_run: tuple[Path, str, float],
+) -> None:
+    guide = ray_run[0] / "run" / "guide"
+    lines = (guide / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    names = sorted(path.name for path in (guide / "checkpoints").glob("*.pt"))
+    assert names == ["checkpoint-000001-epoch0.pt", "checkpoint-000002-epoch1.pt"]
+
+
+@pytest.mark.slow
+@needs_ray
 def test_the_hang_doctor_watches_rays_training_thread(
     ray_run: tuple[Path, str, float], torchrun_run: tuple[Path, str]
 ) -> None:

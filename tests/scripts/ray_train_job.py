@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -82,9 +83,24 @@ def body(out: str, kill: bool = False, report: Any = None) -> None:
     (folder / f"rank{seen['rank']}.json").write_text(json.dumps(seen))
 
 
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "launching.md"
+
+
+def guide_train() -> Any:
+    """The training function of the Launching guide's Ray Train example, as printed."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", GUIDE.read_text(), re.S | re.M)
+    (block,) = [block for block in blocks if "TorchTrainer" in block]
+    namespace: dict[str, Any] = {"__name__": "launching_guide"}  # not its __main__ part
+    exec(compile(block, str(GUIDE), "exec"), namespace)
+    return namespace["train"]
+
+
 def train_and_report(config: dict[str, Any]) -> None:
-    """Ray's training function: the body, its checkpoint reported to Ray as the guide says."""
+    """Ray's training function: the guide's, then the body, which reports as the guide does."""
     import ray.train
+
+    if not config["kill"]:
+        guide_train()({"runs": str(Path(config["out"]) / "guide")})
 
     def report(ctx: Any, path: Path) -> None:
         checkpoint = None
