@@ -70,6 +70,9 @@ class FakeContext:
         return 0
 
 
+FakeContext.__module__ = "ray.train.v2.api.context"  # Ray Train v2's, the default since 2.5x
+
+
 def fake_train(context: FakeContext | None) -> SimpleNamespace:
     def get_context() -> FakeContext:
         if context is None:  # what Ray raises in the driver
@@ -91,6 +94,41 @@ def test_a_ray_train_worker_is_told_by_rays_context() -> None:
 def test_the_driver_and_a_process_without_ray_are_not_workers() -> None:
     assert ray_train_place({"ray.train": fake_train(None)}) is None
     assert ray_train_place({}) is None
+
+
+class V1Context(FakeContext):
+    """Ray Train v1's context class: it answers outside a worker too, with made-up values."""
+
+
+V1Context.__module__ = "ray.train"  # as Ray 2.60 names it (ray.train.TrainContext)
+
+
+@pytest.mark.parametrize("session", [None, object()])
+def test_a_ray_train_v1_context_counts_only_inside_its_session(session: object) -> None:
+    modules = {
+        "ray.train": fake_train(V1Context(0, 1)),
+        "ray.train._internal.session": SimpleNamespace(get_session=lambda: session),
+    }
+    assert (ray_train_place(modules) is None) == (session is None)
+
+
+@pytest.mark.slow
+@needs_ray
+def test_a_process_that_imports_ray_train_v1_is_no_ray_worker() -> None:
+    """Regression: under RAY_TRAIN_V2_ENABLED=0 a plain process read as Ray worker 0 of 1
+    (local world size 0), and with torchrun's LOCAL_WORLD_SIZE=1 it was refused."""
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import ray.train\nfrom ddpctx import distributed\n"
+        "with distributed() as ctx: print(ctx.launcher, ctx.local_world_size)"
+    )
+    env = child_env(RAY_TRAIN_V2_ENABLED="0", RAY_USAGE_STATS_ENABLED="0", RANK="0", WORLD_SIZE="1")
+    env["LOCAL_WORLD_SIZE"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patience(90)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["torchrun", "1"]
 
 
 def test_detection_never_imports_ray() -> None:

@@ -12,7 +12,9 @@ Ray is never imported here: importing it costs about a second, and a process
 that has not imported ``ray.train`` is no Ray Train worker.
 :func:`ray_train_place` asks ``ray.train.get_context()`` only when
 ``ray.train`` is already in ``sys.modules``; outside a training function
-(the driver, a plain Ray task) Ray raises ``RuntimeError`` and this is None.
+(the driver, a plain Ray task) Ray raises ``RuntimeError`` and this is None
+(Ray Train v1 answers there instead, with made-up values: a v1 context
+counts only inside a v1 training session).
 :func:`ray_launch` is pure: it checks that the variables Ray sets agree with
 Ray's context and describes the worker.
 
@@ -65,6 +67,8 @@ def ray_train_place(modules: Mapping[str, Any] | None = None) -> RayPlace | None
         context = get_context()
     except RuntimeError:  # Ray's answer in the driver and in processes Ray Train did not start
         return None
+    if _v1_outside_a_worker(context, sys.modules if modules is None else modules):
+        return None
     return RayPlace(
         world_rank=int(context.get_world_rank()),
         world_size=int(context.get_world_size()),
@@ -72,6 +76,19 @@ def ray_train_place(modules: Mapping[str, Any] | None = None) -> RayPlace | None
         local_world_size=int(context.get_local_world_size()),
         node_rank=int(context.get_node_rank()),
     )
+
+
+def _v1_outside_a_worker(context: object, modules: Mapping[str, Any]) -> bool:
+    """Ray Train v1 (the default before Ray 2.5x; ``RAY_TRAIN_V2_ENABLED=0``) answers
+    outside a worker too, with a warning and made-up values (world size 1, local
+    world size 0): a torchrun job that imports ``ray.train`` would be taken for a
+    Ray worker. There, a v1 context counts only inside a v1 training session.
+    """
+    if type(context).__module__.startswith("ray.train.v2"):  # it raised outside a worker
+        return False
+    session = modules.get("ray.train._internal.session")
+    get_session = getattr(session, "get_session", None)
+    return get_session is None or get_session() is None
 
 
 #: The variables Ray Train sets in each worker, and the context's value each must equal.
