@@ -183,7 +183,8 @@ def ray_run() -> Iterator[tuple[Path, str, float]]:
     mark = uuid.uuid4().hex
     # A short root: Ray's unix sockets live under it and must stay under 108 characters.
     root = Path(tempfile.mkdtemp(prefix="ddr", dir="/tmp"))
-    env = child_env(DDPCTX_RAY_TEST=mark, RAY_TMPDIR=str(root / "t"))
+    # HOME too: ray.init() writes a cluster token to ~/.ray/auth_token, not the tests' to keep.
+    env = child_env(DDPCTX_RAY_TEST=mark, RAY_TMPDIR=str(root / "t"), HOME=str(root / "home"))
     started = time.monotonic()
     mode = "ray+kill" if WITH_KILL else "ray"
     driver = subprocess.Popen(
