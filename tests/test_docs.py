@@ -268,6 +268,8 @@ RUN_BY_THEIR_OWN_TESTS = {
         f"docs/guides/checkpoints-beyond-the-run.md#{n}": "tests/test_weights.py" for n in (1, 2, 3)
     },
     "docs/guides/streaming-data.md#1": "tests/test_streams.py",
+    # its training function, in the same TorchTrainer run as the test's (one Ray session)
+    "docs/guides/launching.md#2": "tests/test_ray.py",
 }
 
 

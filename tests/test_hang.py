@@ -351,6 +351,7 @@ class EntersBarrierOnceAsked(Tracker):
     """A main thread that enters ``barrier()`` just after the watchdog, asked, first reads it."""
 
     def __init__(self, store: Any) -> None:
+        super().__init__()  # the tracker's thread: the one that made it, this test's
         self.store = store
 
     def waited(self, now: float) -> tuple[str | None, float]:

@@ -20,6 +20,7 @@ _NAMES = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
+    "NODE_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
     "CUDA_VISIBLE_DEVICES",

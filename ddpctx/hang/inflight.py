@@ -56,7 +56,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -155,9 +155,12 @@ def short_path(filename: str) -> str:
 
 @dataclass
 class Tracker:
-    """This rank's main thread: the operation it waits in (None: not in one) and since when.
+    """This rank's collective thread: the operation it waits in (None: not in one) and since when.
 
-    Written by the main thread, read by the watchdog thread; single attribute
+    The collective thread is the one that made the tracker, the thread that
+    entered ``distributed()``: the main thread, except where a framework runs
+    the training function in a thread of its own (Ray Train does).
+    Written by that thread, read by the watchdog thread; single attribute
     writes are atomic in CPython, and a torn read costs at worst one stale
     second.
     """
@@ -172,6 +175,7 @@ class Tracker:
     backward_sync: str | None = None  # DDP_BACKWARD / FSDP_BACKWARD: the next backward waits
     wait_total: float = 0.0  # seconds the main thread spent waiting, all tracked waits together
     grad_ready: float = 0.0  # when a DDP model's last gradient was ready (its backward's compute)
+    thread: int = field(default_factory=threading.get_ident)  # the collective thread's ident
 
     def run(
         self,
@@ -228,11 +232,11 @@ LockstepCheck = Callable[[str, Any, FrameType | None], None]
 def install(tracker: Tracker, *, check: LockstepCheck | None, cuda: bool) -> Callable[[], None]:
     """Replace the tracked collectives and ``torch.autograd.backward``; returns the undo.
 
-    Only from the main thread: other threads' collectives (e.g. a user's
+    Only from the tracker's thread: other threads' collectives (e.g. a user's
     background all-reduce) are passed through untracked. ``check`` (debug
     mode) runs before every collective that is not point-to-point.
     """
-    main = threading.main_thread().ident
+    main: int | None = tracker.thread
     originals: dict[tuple[Any, str], Any] = {}
 
     def replace(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:

@@ -71,11 +71,12 @@ class RankState:
         return cls(**json.loads(text))
 
 
-def main_thread_frame() -> FrameType | None:
-    """The main thread's current frame, read from another thread."""
+def main_thread_frame(thread: int | None = None) -> FrameType | None:
+    """The current frame of thread ``thread`` (default: the main thread), read from another."""
     import threading
 
-    return sys._current_frames().get(threading.main_thread().ident or -1)
+    ident = threading.main_thread().ident if thread is None else thread
+    return sys._current_frames().get(ident or -1)
 
 
 def folded_stack(frame: FrameType | None) -> str:
@@ -112,9 +113,10 @@ def snapshot(
     waited: float,
     peers: tuple[int, ...] | None = None,
     stalled: float = 0.0,
+    thread: int | None = None,
 ) -> RankState:
-    """This rank's state, taken from the watchdog thread."""
-    frame = main_thread_frame()
+    """This rank's state (``thread``'s stack; default the main thread's), from the watchdog."""
+    frame = main_thread_frame(thread)
     members = None if peers is None or op is None else list(peers)
     site, stack = user_site(frame), folded_stack(frame)
     return RankState(rank, op, round(waited, 1), site, stack, members, round(stalled, 1))

@@ -22,6 +22,10 @@ is stuck, a ``sleep``) writes it to torchrun's error file and exits after a
 short grace, which also releases the peers' collectives, whose wrappers raise
 the same :class:`HangError`.
 
+"Main thread" here means the thread that entered ``distributed()`` (the
+tracker's): the main thread, except under Ray Train, whose training function
+runs in a thread of its own.
+
 The thread never raises into a healthy job: any failure of its own (a store
 that went away at shutdown) ends the watching, silently. It stops with the
 context, before the process group is destroyed, within a bounded time.
@@ -168,7 +172,7 @@ class Watchdog:
             moved = tracker.entered, tracker.completed
             op, waited = tracker.waited(time.monotonic())
             peers = tracker.peers if tracker.op is not None else None
-            state = snapshot(self.rank, op, waited, peers, stalled)
+            state = snapshot(self.rank, op, waited, peers, stalled, tracker.thread)
             if (tracker.entered, tracker.completed) == moved:
                 break
         return op, waited, state
@@ -220,12 +224,12 @@ class Watchdog:
         record_for_torchrun(error, os.environ)
         if self._stop.is_set():
             return
-        main = threading.main_thread()
-        # A main thread in a tracked wait raises from the wrapper when the wait ends;
-        # others get the exception at their next Python instruction.
-        if main.ident is not None and self.tracker.op is None:
+        # The collective thread (the main thread, or Ray Train's training thread) in a
+        # tracked wait raises from the wrapper when the wait ends; otherwise it gets the
+        # exception at its next Python instruction.
+        if self.tracker.op is None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(main.ident), ctypes.py_object(_raising(report))
+                ctypes.c_ulong(self.tracker.thread), ctypes.py_object(_raising(report))
             )
         # A rank outside collectives that has not raised is stuck in native code: it goes
         # first, which fails its peers' collectives, whose wrappers then raise. When every
@@ -314,7 +318,7 @@ class Doctor:
         tracker = self.tracker
         if tracker is None or tracker.op is not None:
             return call()
-        if threading.get_ident() != threading.main_thread().ident:
+        if threading.get_ident() != tracker.thread:
             return call()  # as the wrappers: other threads' collectives are not tracked
         check = self._check if checked else None
         caller = sys._getframe(1)

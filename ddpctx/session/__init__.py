@@ -2,6 +2,7 @@
 
 - :mod:`~ddpctx.session.context`: ``distributed()``, its enter/exit, ``current()``.
 - :mod:`~ddpctx.session.distcontext`: ``DistContext``, joined from each subsystem's face.
+- :mod:`~ddpctx.session.adoption`: a group someone else formed (Ray Train's too), adopted.
 - :mod:`~ddpctx.session.group`: forming the process group and tearing it down in bounded time.
 - :mod:`~ddpctx.session.formation`: formation on a store ddpctx owns, retried on gloo's race.
 - :mod:`~ddpctx.session.signals`: SIGTERM from a launcher leaves the block at once.

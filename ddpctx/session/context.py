@@ -8,8 +8,9 @@ The contract, in the order things happen on enter:
 2. Pick the backend (``nccl`` with CUDA, else ``gloo``) and the device
    (``cuda:<local_rank>`` or ``cpu``), and pin the device.
 3. Form the process group -- always, also for one process (an in-memory
-   store, gloo pinned to loopback) -- or adopt one that someone else formed
-   (it is then left alive on exit).
+   store, gloo pinned to loopback) -- or adopt one that someone else formed,
+   Ray Train's ``TorchTrainer`` for one (:mod:`ddpctx.session.adoption`); it
+   is then left alive on exit.
 4. Turn SIGTERM (what torchrun sends the survivors when a rank dies) into
    ``SystemExit(143)`` so the clean-up below runs instead of the process
    vanishing mid-write.
@@ -44,7 +45,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from types import TracebackType
@@ -61,19 +62,14 @@ from ddpctx.hang.watchdog import Doctor
 from ddpctx.parallel.precision import Precision, PrecisionName, resolve_precision
 from ddpctx.reduce.guard import check_caller
 from ddpctx.reduce.handles import end_of_block
+from ddpctx.session.adoption import adopted_device_index, check_backend, launch_info
 from ddpctx.session.departures import add_note, departed, departure_note, record_departure
 from ddpctx.session.distcontext import DistContext
 from ddpctx.session.group import ExceptHook, destroy_group_bounded, init_group, peel_rank_prefix
 from ddpctx.session.quiesce import quiesce_gloo_workers
 from ddpctx.session.signals import exit_on_sigterm
 from ddpctx.session.watching import Watching, resolve_watching, start_watching
-from ddpctx.utils.env import (
-    LaunchInfo,
-    detect_launch,
-    resolve_backend,
-    resolve_device_index,
-    resolve_timeout,
-)
+from ddpctx.utils.env import LaunchInfo, resolve_backend, resolve_device_index, resolve_timeout
 from ddpctx.utils.errors import describe, is_follow_on, record_for_torchrun, should_record
 from ddpctx.utils.identity import occupant, occupy
 from ddpctx.utils.seeding import enable_deterministic, seed_everything, validate_seed
@@ -258,9 +254,11 @@ class DistributedSession:
             )
             context._after_shard = hook_fsdp_roots
             context._collective_call = partial(guarded_collective, doctor)
-            start_watching(context, plan.watching, plan.info, plan.device, doctor.tracker, stack)
+            # Occupied before the first collective (start_watching's): collectives belong to
+            # the thread that entered, which under Ray Train is not the main thread.
             occupy(context)
             stack.callback(occupy, None)
+            start_watching(context, plan.watching, plan.info, plan.device, doctor.tracker, stack)
             stack.callback(end_of_block)  # unread async handles never reach the next block
             stack.callback(context._writer_claims.release)  # after any async save is finished
             self._context = context
@@ -341,17 +339,19 @@ def _make_plan(
     resolved_timeout = resolve_timeout(timeout, environ)
     hang_settings = resolve_hang_settings(*hang, resolved_timeout.total_seconds(), environ)
     cuda_available = torch.cuda.is_available()
-    if dist.is_initialized():
-        info, resolved_backend = _adopted_launch(backend, environ)
-    else:
-        info = detect_launch(environ, pid=os.getpid())
-        resolved_backend = resolve_backend(backend, cuda_available)
-    device_index = resolve_device_index(
-        info,
-        cuda_available,
-        torch.cuda.device_count() if cuda_available else 0,
-        environ.get("CUDA_VISIBLE_DEVICES"),
+    info = launch_info(environ)
+    adopted = dist.is_initialized()
+    resolved_backend = (
+        check_backend(backend) if adopted else resolve_backend(backend, cuda_available)
     )
+    device_index = adopted_device_index(info, cuda_available)
+    if device_index is None:
+        device_index = resolve_device_index(
+            info,
+            cuda_available,
+            torch.cuda.device_count() if cuda_available else 0,
+            environ.get("CUDA_VISIBLE_DEVICES"),
+        )
     device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
     return _Plan(
         info=info,
@@ -359,36 +359,8 @@ def _make_plan(
         device=device,
         timeout=resolved_timeout,
         seed=validate_seed(seed, info.world_size),
-        adopted=dist.is_initialized(),
+        adopted=adopted,
         hang=hang_settings,
         precision=resolve_precision(precision, device),
         watching=resolve_watching(*watch, environ, info.world_size),
     )
-
-
-def _adopted_launch(backend: str | None, environ: Mapping[str, str]) -> tuple[LaunchInfo, str]:
-    """Describe a process group that someone else initialised.
-
-    Rank and world size come from the group. The launcher and local ranks come
-    from the environment when it agrees with the group; otherwise (e.g.
-    ``mp.spawn`` without ``RANK``) the group is taken to be one node.
-    """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    group_backend = str(dist.get_backend())
-    if backend is not None and backend.lower() not in group_backend:
-        raise ValueError(
-            f"backend={backend!r} but the process group that was already initialised uses "
-            f"{group_backend!r}. Drop backend= to adopt the existing group, or destroy it first."
-        )
-    detected = detect_launch(environ, rendezvous=False)
-    if (detected.rank, detected.world_size) == (rank, world_size):
-        return detected, group_backend
-    info = replace(
-        detected,
-        rank=rank,
-        world_size=world_size,
-        local_rank=rank,
-        local_world_size=world_size,
-        node_rank=0,
-    )
-    return info, group_backend

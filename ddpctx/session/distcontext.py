@@ -52,10 +52,12 @@ class DistContext(
         local_rank (int): rank within this node.
         local_world_size (int): number of processes on this node.
         node_rank (int): index of this node.
-        device (torch.device): ``cuda:<local_rank>`` or ``cpu``.
+        device (torch.device): ``cuda:<local_rank>`` (under Ray: the GPU Ray gave the
+            worker) or ``cpu``.
         backend (str): ``"nccl"``, ``"gloo"``, ...
         launcher (str): ``"torchrun"``, ``"slurm"``, ``"mpi"``, ``"launch"``
-            (``ddpctx.launch`` and the pytest plugin) or ``"single"``.
+            (``ddpctx.launch`` and the pytest plugin), ``"ray"`` (a Ray Train
+            ``TorchTrainer`` worker) or ``"single"``.
         seed (int | None): this rank's effective seed (``seed + rank``) or None.
         base_seed (int | None): the ``seed`` given to ``distributed()``, the same on every rank.
         is_main (bool): rank 0 of the run.

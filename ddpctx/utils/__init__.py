@@ -1,6 +1,8 @@
 """Pure helpers: the bottom layer, which every subsystem may use.
 
 - :mod:`~ddpctx.utils.env`: read and validate the launcher's environment (no I/O).
+- :mod:`~ddpctx.utils.raytrain`: a Ray Train worker's place, from Ray's context (never
+  imports ray).
 - :mod:`~ddpctx.utils.hostlist`: SLURM's compact host and tasks-per-node lists, expanded.
 - :mod:`~ddpctx.utils.conflicts`: two launchers' variables that disagree, named.
 - :mod:`~ddpctx.utils.seeding`: seeds, worker seeds, RNG state capture and restore.

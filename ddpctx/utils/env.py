@@ -47,7 +47,7 @@ from typing import Literal
 from ddpctx.utils.conflicts import check_launchers_agree
 from ddpctx.utils.hostlist import parse_nodelist, parse_tasks_per_node
 
-Launcher = Literal["torchrun", "slurm", "mpi", "launch", "single"]
+Launcher = Literal["torchrun", "slurm", "mpi", "launch", "ray", "single"]
 
 #: Set by ``ddpctx.launch`` and the pytest plugin in their ranks: the env://
 #: variables there come from ddpctx, and ``ctx.launcher`` says ``"launch"``.

@@ -13,12 +13,7 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Literal
 
-Launcher = Literal["torchrun", "slurm", "mpi", "launch", "single"]
-
-#: Set by ``ddpctx.launch`` and the pytest plugin in their ranks: the env://
-#: variables there come from ddpctx, and ``ctx.launcher`` says ``"launch"``.
 _TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 

@@ -190,7 +190,8 @@ class StepClock:
         self.fed = False
         self._depth = 0  # nesting of work spans (an optimizer step inside a forward...)
         self._span: tuple[float, float] = (0.0, 0.0)  # the outermost span's (start, waited)
-        self._main = threading.main_thread().ident
+        # the thread that entered distributed() (Ray Train's training thread is not the main one)
+        self._main = threading.get_ident()
         self._schedstat: int | None = None
         if schedstat is not None and threading.get_ident() == self._main:
             with contextlib.suppress(OSError):
