@@ -15,9 +15,13 @@ Contenders, interleaved round by round so a busy machine's drift hits all:
   ``splits_itself = "ranks_and_workers"`` (it reads only its worker's
   samples), so the plain DataLoader does not read every sample twice.
 
+The contenders take turns in a new order each round (``round_order``).
 Printed: median samples per second of each (wall time), and the medians of
-the per-round ratios (ddpctx / plain; <= 1.05 is the target) of wall time and
-of the main thread's CPU time (torch runs single-threaded here). The CPU time
+the per-round ratios (ddpctx / plain) of wall time and of the main thread's
+CPU time (torch runs single-threaded here), each with its 95% bootstrap
+interval and the verdict against the target of <= 1.05x: *met* when the
+interval lies at or under it, *not met* over it, *unresolved* when it holds
+it (then run more rounds or a quieter machine). The CPU time
 leaves out what a busy machine gives to other processes, so on a shared runner
 it is the steadier measure of the loader's own cost without workers; with
 workers the reading happens in the workers, whose CPU time it does not count,
@@ -40,7 +44,7 @@ if not __package__:  # run as a file: the repository, not benchmarks/, heads sys
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from benchmarks.stats import paired_ratio
+from benchmarks.stats import median_interval, ratios, round_order, verdict
 from ddpctx.data.streambuild import make_stream_loader
 
 
@@ -103,6 +107,15 @@ def contenders(samples: int, batch: int, work: int) -> dict[str, Any]:
     }
 
 
+TARGET = 1.05
+
+
+def interval_cell(values: list[float], references: list[float]) -> str:
+    """``ratio [low, high]: verdict`` of ``values`` paired with ``references`` round by round."""
+    middle, low, high = median_interval(ratios(values, references))
+    return f"{middle:.3f}x [{low:.3f}, {high:.3f}]: {verdict(low, high, TARGET)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -112,21 +125,25 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"# {args.samples} samples, batches of {args.batch}, {args.rounds} rounds")
+    print(f"# ratios: median of per-round ratios [95% interval]: verdict for <= {TARGET}x")
     print("| per-sample work | loader | samples/s | wall vs plain | CPU vs plain |")
     print("|---|---|---:|---:|---:|")
     for work in args.work:
         loaders = contenders(args.samples, args.batch, loop_for(work))
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in loaders}
-        for _ in range(args.rounds):
-            for name, loader in loaders.items():
-                times[name].append(seconds(loader))
+        for round_index in range(args.rounds):
+            for name in round_order(list(loaders), round_index):
+                times[name].append(seconds(loaders[name]))
         for name in loaders:
             rate = args.samples / statistics.median(wall for wall, _ in times[name])
+            if name.startswith("plain"):
+                print(f"| {work:g} us | {name} | {rate:,.0f} | 1.000 | 1.000 |")
+                continue
             plain = times[name.replace("ddpctx", "plain")]
-            ratios = [
-                paired_ratio([t[i] for t in times[name]], [t[i] for t in plain]) for i in (0, 1)
+            cells = [
+                interval_cell([t[i] for t in times[name]], [t[i] for t in plain]) for i in (0, 1)
             ]
-            print(f"| {work:g} us | {name} | {rate:,.0f} | {ratios[0]:.3f} | {ratios[1]:.3f} |")
+            print(f"| {work:g} us | {name} | {rate:,.0f} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":
