@@ -13,12 +13,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import bench_call, bench_memory, reduction, stats, training
+from benchmarks import bench_call, bench_memory, reduction, stats, targets, training
 from ddpctx import launch
 from tests.helpers import REPO
 
@@ -167,3 +168,83 @@ def test_the_entry_points_run_as_files_and_as_modules(command: list[str]) -> Non
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ")
+
+
+def _target_results(
+    big: float, small: float, on: list[float], log_us: list[float]
+) -> dict[str, Any]:
+    """targets.py's results with hand-made times: ratios ``big``, ``small``; per-round
+    watching ratios ``on``; per-round ctx.log extras ``log_us`` (µs a step, 100 steps)."""
+    rounds = len(on)
+    logged = [0.1 + us * 1e-4 for us in log_us]
+    block = [0.1] * rounds
+    return {
+        "big": {
+            "@all_reduced": [big * 1e-3] * 9,
+            "by hand": [1e-3] * 9,
+            "raw in-place": [5e-4] * 9,
+        },
+        "small": {"@all_reduced": [small * 1e-3] * 9, "raw stacked": [1e-3] * 9},
+        "watch": {
+            "off": {"wall": block, "cpu": block},
+            "off, again": {"wall": block, "cpu": block},
+            "on": {"wall": [0.1 * r for r in on], "cpu": [0.1 * r for r in on]},
+        },
+        "log": {
+            targets.LOG_ROWS[0]: {"wall": block, "cpu": block},
+            targets.LOG_ROWS[1]: {"wall": block, "cpu": block},
+            "ctx.log": {"wall": logged, "cpu": logged},
+        },
+    }
+
+
+def test_the_targets_page_reads_each_target_from_its_interval() -> None:
+    mode = {"steps": 100}
+    spread = [0.97, 1.03] * 10  # an interval around 1.00 that reaches past 1.01
+    rows = targets.table(_target_results(1.02, 1.2, spread, [5.0] * 20), mode)
+    (big,) = (row for row in rows if row.startswith("| 1M float32"))
+    (small,) = (row for row in rows if row.startswith("| 32 scalar"))
+    (watch,) = (row for row in rows if row.startswith("| step timings"))
+    (log,) = (row for row in rows if row.startswith("| ctx.log"))
+    assert "1.020x [1.020, 1.020]: met" in big
+    assert big.endswith("**met** |")
+    assert "1.200x [1.200, 1.200]: not met" in small
+    assert small.endswith("**not met** |")
+    assert watch.endswith("**unresolved** |")
+    assert "+5.0 µs [+5.0, +5.0]: met" in log
+    assert log.endswith("**met** |")
+    over = targets.table(_target_results(1.0, 1.0, [1.02] * 20, [25.0] * 20), mode)
+    assert [row.rsplit("**", 2)[1] for row in over if "**" in row] == [
+        "met",
+        "met",
+        "not met",
+        "not met",
+    ]
+
+
+def test_a_target_measured_two_ways_is_read_from_the_one_that_resolves_it() -> None:
+    def measure(low: float, high: float) -> targets.Measure:
+        return targets.Measure("m", (low + high) / 2, low, high, 1.01)
+
+    met, over, open_ = measure(0.99, 1.005), measure(1.02, 1.04), measure(0.98, 1.03)
+    assert targets.verdict_of([open_, met]) == "met"
+    assert targets.verdict_of([over, open_]) == "not met"
+    assert targets.verdict_of([open_, open_]) == "unresolved"
+    assert targets.verdict_of([met, over]) == "unresolved"  # the two ways disagree
+
+
+@pytest.mark.slow  # a 2-rank torchrun job: about 20 s on 2 busy cores
+def test_the_targets_script_runs_end_to_end_in_its_smallest_mode() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/targets.py", "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "**" in line]
+    assert len(rows) == 4, done.stdout
+    assert all(row.rsplit("**", 2)[1] in ("met", "not met", "unresolved") for row in rows)
+    assert "smoke run, 2 ranks" in done.stdout
+    assert "load average" in done.stdout

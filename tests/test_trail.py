@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from ddpctx import distributed
@@ -351,6 +353,28 @@ def log_different_steps() -> tuple[str, dict[str, Any]]:
     assert str(refused_max.value) == str(refused.value)
     after = ctx.log({"loss": float(ctx.rank)})  # the counters did not diverge
     return str(refused.value), after
+
+
+@given(
+    st.integers(0, 2**63 - 1),
+    st.lists(st.sampled_from([0, 1, 2**20, 2**40, -(2**20), 2**21 + 1]), min_size=1, max_size=5),
+    st.sampled_from([1, 2, 3, 4095, 4096]),
+)
+def test_the_step_check_tells_equal_steps_from_unequal_ones_at_every_size(
+    step: int, offsets: list[int], world: int
+) -> None:
+    # ctx.log's step check travels as floats (20-bit halves and their squares) where their
+    # sums are exact: a step that differs by 2**20 or 2**40 on one rank must still be seen.
+    from ddpctx.watch.faces import STEP_KEY, steps_agree, with_step
+
+    steps = [max(0, step + offset) for offset in offsets]
+    steps += [steps[-1]] * max(0, world - len(steps))  # the other ranks: the last one's
+    steps = steps[:world]
+    leaves = [with_step({"x": 1.0}, "mean", s, world)[0][STEP_KEY] for s in steps]
+    if len({tuple(leaf) for leaf in leaves}) > 1:  # a structure change: the reduction refuses
+        return
+    summed = {key: sum(leaf[key] for leaf in leaves) for key in leaves[0]}
+    assert steps_agree(summed, world) == (len(set(steps)) == 1), (steps, summed)
 
 
 def test_different_steps_on_different_ranks_are_an_error_on_every_rank_naming_each(

@@ -23,9 +23,10 @@ So each call site *agrees* on a structure once, then carries one flag element:
   this process group. A rank whose result has that structure packs it and
   sends the first wire (see :mod:`ddpctx.reduce.packing`) with its flag 0: the
   steady state is the payload plus one element, one collective per wire. A
-  single floating value summed or multiplied (a loss) carries no flag element:
-  a raised flag is a NaN in the value, and a NaN result -- a raised flag or a
-  NaN in the data -- is resolved on every rank by one more 1-element collective.
+  single floating leaf summed or multiplied (a loss, or one large tensor)
+  carries no flag element: a raised flag is a NaN in its first value, and a
+  NaN there in the result -- a raised flag or a NaN in the data -- is resolved
+  on every rank by one more 1-element collective.
 - A rank whose structure differs (or that failed, or a site that never agreed
   in this group) sends a buffer of the *agreed* first wire's layout (a fixed
   1-element buffer at a fresh site) with its flag 1. The flag survives the

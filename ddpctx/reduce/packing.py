@@ -32,9 +32,10 @@ How leaves travel (the *layout*, a function of the structure alone):
   come back NaN: NaN propagates whichever rank holds it.
 
 The first wire also carries the *flag* element of the protocol (one element,
-exact in any dtype: it is 0 or 1 per rank) -- except a single floating value
-summed or multiplied at 2+ ranks (a loss), whose flag is a NaN in the value:
-gloo reduces one element in 0.6-0.75x the time of two.
+exact in any dtype: it is 0 or 1 per rank) -- except a single floating leaf
+summed or multiplied at 2+ ranks (a loss, or one large tensor), whose flag is
+a NaN in its first value: gloo reduces one element in 0.6-0.75x the time of
+two, and a large tensor's buffer is then its one copy, with nothing in front.
 
 Example:
     >>> plan, values = Plan.make({"loss": 1.5, "count": 2}, "mean", "count", world=2)
@@ -315,12 +316,18 @@ def _layout(
 
 
 def _flag_in_nan(wires: list[Wire], world: int) -> list[Wire]:
-    """One floating value summed or multiplied: its flag rides in the value, as NaN.
+    """One floating leaf summed or multiplied: its flag rides in the leaf's first value, as NaN.
 
     gloo reduces one element in 0.6-0.75x the time of two (a loss logged
     every step is this case), and a sum or product is NaN on every rank when
-    any rank sent NaN. A NaN result is resolved by one more collective, which
-    only a raised flag or a NaN/inf in the data costs.
+    any rank sent NaN. A NaN in the first element of the result is resolved
+    by one more 1-element collective, which only a raised flag or a NaN/inf
+    there in the data costs. A large tensor (a 1M-element float32 mean)
+    travels the same way: a flag element in front would make its buffer one
+    element longer than the tensor, so packing it would be a ``cat`` into a
+    new buffer and dividing it a pass over a view one element off its start,
+    where without one the buffer is the tensor's one copy (the ``clone`` its
+    snapshot needs anyway), reduced and divided in place.
     """
     if world < 2 or len(wires) != 1:
         return wires
@@ -330,11 +337,11 @@ def _flag_in_nan(wires: list[Wire], world: int) -> list[Wire]:
     if len(wire.slots) != 1:
         return wires
     (slot,) = wire.slots
-    if slot.count != 1 or slot.pieces != 1 or slot.weight is not None or slot.estimate:
+    if slot.count < 1 or slot.pieces != 1 or slot.weight is not None or slot.estimate:
         return wires
     alone = dataclasses.replace(slot, start=0)
     bits = wire.bits_per_piece
-    return [Wire(wire.op, wire.dtype, [alone], 1, False, False, bits, flag_in_nan=True)]
+    return [Wire(wire.op, wire.dtype, [alone], slot.count, False, False, bits, flag_in_nan=True)]
 
 
 def _wire_float(leaf: Leaf) -> torch.dtype:
