@@ -11,6 +11,7 @@ child process under a real file-size limit (``RLIMIT_FSIZE``).
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import os
@@ -18,16 +19,18 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -534,3 +537,37 @@ def test_a_logger_may_say_how_long_a_call_takes_before_it_counts_as_stuck() -> N
         release.set()
         for lane in (patient, default):
             lane.put("close", None)
+
+
+@given(room=st.integers(min_value=0, max_value=400), lines=st.integers(min_value=1, max_value=30))
+@settings(max_examples=60, deadline=None)
+def test_a_write_that_meets_a_full_disk_keeps_every_whole_line_that_reached_the_file(
+    room: int, lines: int
+) -> None:
+    # A batch larger than the room left: the lines that fit stay, the torn one goes.
+    from ddpctx.watch.files import AppendFile
+
+    folder = Path(tempfile.mkdtemp())
+    file = AppendFile(folder / "metrics.jsonl")
+    file.replace(b"")
+    data = b"".join(f'{{"step": {n}}}\n'.encode() for n in range(lines))
+    real_write, left = os.write, [room]
+
+    def write_until_full(fd: int, view: Any) -> int:
+        if left[0] == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        count = real_write(fd, bytes(view)[: left[0]])
+        left[0] -= count
+        return count
+
+    with mock.patch("ddpctx.watch.files.os.write", write_until_full):
+        if room >= len(data):
+            file.append(data)
+        else:
+            with pytest.raises(OSError, match="last complete line") as raised:
+                file.append(data)
+            assert raised.value.errno == errno.ENOSPC
+    file.close()
+    text = (folder / "metrics.jsonl").read_bytes()
+    reached = data[: min(room, len(data))]
+    assert text == reached[: reached.rfind(b"\n") + 1]

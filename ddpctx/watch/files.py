@@ -61,7 +61,12 @@ class FileLogger(abc.ABC):
 
 
 class AppendFile:
-    """One file appended to with ``os.write``; a failed write is cut back to the last whole line."""
+    """One file appended to with ``os.write``; a failed write is cut back to the last whole line.
+
+    The lines of a failed append that reached the file whole stay (a batch
+    the writer thread took in at once may be larger than the room left on a
+    full disk: cutting back to the batch's start would lose lines that fit).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -87,6 +92,8 @@ class AppendFile:
                 written = os.write(self._fd, view)
                 view = view[written:]
         except OSError as error:
+            reached = data[: len(data) - len(view)]
+            self._size += reached.rfind(b"\n") + 1  # the whole lines that reached the file
             os.ftruncate(self._fd, self._size)  # never a torn last line
             raise OSError(
                 error.errno, f"{error.strerror}; {self.path} ends at its last complete line"
