@@ -201,7 +201,7 @@ def watching(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]:
 def logging(mode: dict[str, int], log_dir: str) -> dict[str, dict[str, list[float]]]:
     """Per row of :data:`LOG_ROWS`: each round's block, wall and CPU, in one distributed()."""
     from ddpctx import all_reduced, distributed
-    from ddpctx.watch.faces import STEP_KEY, steps_agree, with_step
+    from ddpctx.watch.faces import steps_agree, take_step, with_step
 
     times: dict[str, dict[str, list[float]]] = {r: {"wall": [], "cpu": []} for r in LOG_ROWS}
     with distributed(seed=0, log_dir=log_dir) as ctx:
@@ -214,7 +214,7 @@ def logging(mode: dict[str, int], log_dir: str) -> dict[str, dict[str, list[floa
 
         def same_reduction(loss: torch.Tensor) -> object:
             reduced = with_its_step(loss)
-            return steps_agree(reduced.pop(STEP_KEY), ctx.world_size)
+            return steps_agree(take_step(reduced), ctx.world_size)
 
         @all_reduced
         def loss_alone(loss: torch.Tensor) -> dict[str, torch.Tensor]:

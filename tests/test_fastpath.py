@@ -321,6 +321,102 @@ def test_python_floats_and_a_graph_attached_loss_on_the_fast_path(dist_ctx: Dist
     assert loss_site.fast is not None
 
 
+@RANKS
+@pytest.mark.slow  # over 2 s: out of the quick tier
+def test_a_mixed_dict_of_tensors_and_floats_equals_the_general_path_bit_for_bit(
+    dist_ctx: DistContext,
+) -> None:
+    """``{"loss": tensor, "lr": float, ...}`` with per-key means and sums, as ctx.log sends."""
+    rank = dist_ctx.rank
+
+    @SETTINGS
+    @given(
+        kinds=st.lists(st.sampled_from(DTYPES), min_size=2, max_size=8),
+        ops=st.lists(st.sampled_from(["mean", "sum"]), min_size=8, max_size=8),
+        seed=st.integers(0, 2**16),
+        special=st.sampled_from([None, math.nan, math.inf, -math.inf, 1e39, 0.0]),
+    )
+    def check(
+        kinds: list[torch.dtype | None], ops: list[str], seed: int, special: float | None
+    ) -> None:
+        generator = torch.Generator().manual_seed(seed * 7 + rank)
+        op = {f"m{i}": ops[i] for i in range(len(kinds))}
+        site, problems = Site("steady"), []
+        for step in range(4):
+            numbers = (torch.randn(len(kinds), generator=generator) * 10 ** (step - 1)).tolist()
+            if special is not None and step == 3 and rank == 0:
+                numbers[seed % len(kinds)] = special
+            mine = {
+                f"m{i}": float(x) if dtype is None else torch.tensor(x, dtype=dtype)
+                for i, (dtype, x) in enumerate(zip(kinds, numbers, strict=True))
+            }
+            with Counted() as counted:
+                fast = all_reduce_tree(mine, op, site=site)
+            general = all_reduce_tree(mine, op, site=Site("fresh"))  # always the general path
+            # the flag rides as NaN in the first value: a NaN there costs one more collective
+            asked = 1 + math.isnan(float(general["m0"]))
+            if step > 0 and (counted.reduces, counted.gathers, counted.prepares) != (asked, 0, 0):
+                problems.append(f"step {step}: not the fast path {vars(counted)}")
+            if not same(fast, general):
+                problems.append(f"step {step}: fast {fast} != general {general}")
+        agreed = dist_ctx.all_gather(problems)
+        assert not any(agreed), agreed
+
+    check()
+
+
+@RANKS
+@pytest.mark.parametrize(
+    "change",
+    ["a float becomes a tensor", "a tensor's dtype", "a tensor's shape", "a key", "a numpy float"],
+)
+def test_a_mixed_dict_leaving_the_steady_state_on_one_rank_is_an_error_on_every_rank(
+    dist_ctx: DistContext, change: str
+) -> None:
+    site, last = Site("mixed"), dist_ctx.world_size - 1
+
+    def mine(changed: bool) -> dict[str, Any]:
+        result: dict[str, Any] = {"loss": torch.tensor(1.0), "lr": 0.5}
+        if not changed:
+            return result
+        if change == "a float becomes a tensor":
+            result["lr"] = torch.tensor(0.5)
+        elif change == "a tensor's dtype":
+            result["loss"] = torch.tensor(1.0, dtype=torch.float64)
+        elif change == "a tensor's shape":
+            result["loss"] = torch.ones(1)
+        elif change == "a key":
+            result = {"loss": result["loss"], "lr2": 0.5}
+        else:
+            import numpy as np
+
+            result["lr"] = np.float32(0.5)
+        return result
+
+    for _ in range(3):
+        all_reduce_tree(mine(False), site=site)
+    assert site.fast is not None
+    assert site.fast.mixed
+    error_everywhere(
+        lambda: all_reduce_tree(mine(dist_ctx.rank == last), site=site), ReductionError
+    )
+
+
+@RANKS
+def test_per_key_means_and_sums_of_floats_stay_right_once_steady(dist_ctx: DistContext) -> None:
+    """Regression: the steady state divided every float by the world size, sums too."""
+    n, site, tensors = dist_ctx.world_size, Site("per-key"), Site("per-key tensors")
+    for _ in range(4):
+        got = all_reduce_tree({"a": 1.0, "b": 2.0}, {"a": "mean", "b": "sum"}, site=site)
+        assert got == {"a": 1.0, "b": 2.0 * n}
+        mixed = {"loss": torch.tensor(1.0), "n": torch.tensor(3.0), "lr": 0.5}
+        got = all_reduce_tree(mixed, {"n": "sum"}, site=tensors)
+        assert same(got, {"loss": torch.tensor(1.0), "n": torch.tensor(3.0 * n), "lr": 0.5})
+    assert site.fast is not None
+    assert tensors.fast is not None
+    assert tensors.fast.mixed
+
+
 def test_one_process_fast_path_returns_new_tensors() -> None:
     site = Site("single")
     mine = {"loss": torch.tensor(0.25), "acc": torch.tensor(0.5)}

@@ -361,23 +361,27 @@ def log_different_steps() -> tuple[str, dict[str, Any]]:
 @given(
     st.integers(0, 2**63 - 1),
     st.lists(st.sampled_from([0, 1, 2**20, 2**40, -(2**20), 2**21 + 1]), min_size=1, max_size=5),
-    st.sampled_from([1, 2, 3, 4095, 4096]),
+    st.sampled_from([1, 2, 3, 4095, 4096, 2**14]),
+    st.sampled_from(["mean", "max", "min"]),
 )
 def test_the_step_check_tells_equal_steps_from_unequal_ones_at_every_size(
-    step: int, offsets: list[int], world: int
+    step: int, offsets: list[int], world: int, op: str
 ) -> None:
-    # ctx.log's step check travels as floats (20-bit halves and their squares) where their
-    # sums are exact: a step that differs by 2**20 or 2**40 on one rank must still be seen.
-    from ddpctx.watch.faces import STEP_KEY, steps_agree, with_step
+    # ctx.log's step check: one hashed float summed (or the step and its negation under
+    # max/min); every rank decides from the reduced value and its own step, and all of
+    # them must refuse unequal steps -- also steps that differ by 2**20 or 2**40.
+    from ddpctx.watch.faces import steps_agree, take_step, with_step
 
     steps = [max(0, step + offset) for offset in offsets]
     steps += [steps[-1]] * max(0, world - len(steps))  # the other ranks: the last one's
     steps = steps[:world]
-    leaves = [with_step({"x": 1.0}, "mean", s, world)[0][STEP_KEY] for s in steps]
-    if len({tuple(leaf) for leaf in leaves}) > 1:  # a structure change: the reduction refuses
-        return
-    summed = {key: sum(leaf[key] for leaf in leaves) for key in leaves[0]}
-    assert steps_agree(summed, world) == (len(set(steps)) == 1), (steps, summed)
+    leaves = [take_step(with_step({"x": 1.0}, op, s, world)[0]) for s in steps]
+    combine = {"mean": sum, "max": max, "min": min}[op]
+    reduced = {key: combine(leaf[key] for leaf in leaves) for key in leaves[0]}
+    for key in reduced:  # summed exactly in float64, as the wire sums them
+        assert op != "mean" or reduced[key] == sum(int(leaf[key]) for leaf in leaves)
+    decisions = {steps_agree(reduced, world, s) for s in steps}
+    assert decisions == {len(set(steps)) == 1}, (steps, reduced)
 
 
 def test_different_steps_on_different_ranks_are_an_error_on_every_rank_naming_each(
@@ -529,7 +533,7 @@ def test_a_logger_may_say_how_long_a_call_takes_before_it_counts_as_stuck() -> N
     default._stuck_after = 0.1  # as if 10 s had gone by for a logger that says nothing
     try:
         for lane in (patient, default):
-            lane.put("metrics", (0, {"x": 1.0}))
+            lane.put("points", [(0, {"x": 1.0})])
         time.sleep(0.5)
         assert not patient.stuck
         assert default.stuck
@@ -571,3 +575,33 @@ def test_a_write_that_meets_a_full_disk_keeps_every_whole_line_that_reached_the_
     text = (folder / "metrics.jsonl").read_bytes()
     reached = data[: min(room, len(data))]
     assert text == reached[: reached.rfind(b"\n") + 1]
+
+
+def test_a_stuck_lane_counts_the_points_beyond_its_limit_instead_of_holding_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Points arrive in batches; the bound is on points waiting, not on batches."""
+    monkeypatch.setattr(lanes, "QUEUE_LIMIT", 5)
+    release, written = threading.Event(), []
+
+    class Stuck:
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            release.wait(10)
+            written.append(step)
+
+    lane = lanes.Lane(Stuck())
+    lane._stuck_after = 0.2
+    try:
+        lane.put("points", [(0, {"x": 0.0})])  # taken at once: the logger sits in it
+        time.sleep(0.1)
+        started = time.monotonic()
+        for first in range(1, 13, 3):
+            lane.put("points", [(step, {"x": 1.0}) for step in range(first, first + 3)])
+        assert time.monotonic() - started < 5  # training never waits for it long
+        assert lane.stuck
+        assert (lane.received, lane.lost) == (13, 9)  # 3 waiting of 5; the other 9 counted
+    finally:
+        release.set()
+        lane.put("close", None)
+        lane._thread.join(10)
+    assert written == [0, 1, 2, 3]

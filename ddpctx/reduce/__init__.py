@@ -6,7 +6,7 @@
 - :mod:`~ddpctx.reduce.packing`: a result's plan: which leaves travel in which wire.
 - :mod:`~ddpctx.reduce.collectives`: the protocol (agree on a structure once, then one
   payload collective per call), broadcast and gather of objects.
-- :mod:`~ddpctx.reduce.fastpath`: a call site's steady state: the payload and one flag element.
+- :mod:`~ddpctx.reduce.fastpath`: a call site's steady state: the payload, its flag in it or in front.
 - :mod:`~ddpctx.reduce.objects`: any picklable object broadcast or gathered.
 - :mod:`~ddpctx.reduce.handles`: the ``async_op=True`` handle; handles finish in issue order.
 - :mod:`~ddpctx.reduce.guard`: refuses a collective no other rank could join (another

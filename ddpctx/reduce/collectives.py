@@ -23,7 +23,8 @@ So each call site *agrees* on a structure once, then carries one flag element:
   this process group. A rank whose result has that structure packs it and
   sends the first wire (see :mod:`ddpctx.reduce.packing`) with its flag 0: the
   steady state is the payload plus one element, one collective per wire. A
-  single floating leaf summed or multiplied (a loss, or one large tensor)
+  floating sum or product that is the only wire and starts with a plain
+  floating leaf (a loss, one large tensor, a dict of scalar metrics)
   carries no flag element: a raised flag is a NaN in its first value, and a
   NaN there in the result -- a raised flag or a NaN in the data -- is resolved
   on every rank by one more 1-element collective.

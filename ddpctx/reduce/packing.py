@@ -32,10 +32,14 @@ How leaves travel (the *layout*, a function of the structure alone):
   come back NaN: NaN propagates whichever rank holds it.
 
 The first wire also carries the *flag* element of the protocol (one element,
-exact in any dtype: it is 0 or 1 per rank) -- except a single floating leaf
-summed or multiplied at 2+ ranks (a loss, or one large tensor), whose flag is
-a NaN in its first value: gloo reduces one element in 0.6-0.75x the time of
-two, and a large tensor's buffer is then its one copy, with nothing in front.
+exact in any dtype: it is 0 or 1 per rank) -- except where the one wire is a
+floating sum or product whose first leaf is a plain floating value (a loss,
+one large tensor, a dict of scalar metrics) at 2+ ranks: there the flag is a
+NaN in that first value. gloo's latency grows with the element count in
+steps (2 ranks, float64: 1 element 0.27 ms, 2 elements 0.40 ms, 3 to 64
+elements 0.6-1.3 ms), so ``{"loss": ..., "acc": ...}`` travels as 2
+elements, not 3; and a large tensor's buffer is then its one copy, with
+nothing in front.
 
 Example:
     >>> plan, values = Plan.make({"loss": 1.5, "count": 2}, "mean", "count", world=2)
@@ -316,32 +320,38 @@ def _layout(
 
 
 def _flag_in_nan(wires: list[Wire], world: int) -> list[Wire]:
-    """One floating leaf summed or multiplied: its flag rides in the leaf's first value, as NaN.
+    """One floating sum or product wire: its flag rides in its first value, as NaN.
 
-    gloo reduces one element in 0.6-0.75x the time of two (a loss logged
-    every step is this case), and a sum or product is NaN on every rank when
-    any rank sent NaN. A NaN in the first element of the result is resolved
-    by one more 1-element collective, which only a raised flag or a NaN/inf
-    there in the data costs. A large tensor (a 1M-element float32 mean)
-    travels the same way: a flag element in front would make its buffer one
-    element longer than the tensor, so packing it would be a ``cat`` into a
-    new buffer and dividing it a pass over a view one element off its start,
-    where without one the buffer is the tensor's one copy (the ``clone`` its
-    snapshot needs anyway), reduced and divided in place.
+    A sum or product is NaN on every rank when any rank sent NaN, so a raised
+    flag needs no element of its own; a NaN in the first element of the
+    result is resolved by one more 1-element collective, which only a raised
+    flag or a NaN/inf there in the data costs (a step check placed first, a
+    number never NaN, costs nothing even then). gloo's latency grows with the
+    element count in steps (2 ranks: 1 element 0.27 ms, 2 elements 0.40 ms,
+    3 or more 0.6-1.3 ms), so a loss travels as one element and two metrics
+    as two. A large tensor (a 1M-element float32 mean) travels the same way:
+    a flag element in front would make its buffer one element longer than
+    the tensor, so packing it would be a ``cat`` into a new buffer and
+    dividing it a pass over a view one element off its start, where without
+    one the buffer is the tensor's one copy (the ``clone`` its snapshot needs
+    anyway), reduced and divided in place.
+
+    The first leaf must be a plain value (not a weighted mean, not integer
+    pieces, not a product's estimate): its NaN is the flag.
     """
     if world < 2 or len(wires) != 1:
         return wires
     (wire,) = wires
     if wire.op not in ("sum", "prod") or not wire.dtype.is_floating_point or wire.nan_marker:
         return wires
-    if len(wire.slots) != 1:
+    if not wire.slots:
         return wires
-    (slot,) = wire.slots
-    if slot.count < 1 or slot.pieces != 1 or slot.weight is not None or slot.estimate:
+    first = wire.slots[0]
+    if first.count < 1 or first.pieces != 1 or first.weight is not None or first.estimate:
         return wires
-    alone = dataclasses.replace(slot, start=0)
+    moved = [dataclasses.replace(slot, start=slot.start - 1) for slot in wire.slots]
     bits = wire.bits_per_piece
-    return [Wire(wire.op, wire.dtype, [alone], slot.count, False, False, bits, flag_in_nan=True)]
+    return [Wire(wire.op, wire.dtype, moved, wire.length - 1, False, False, bits, flag_in_nan=True)]
 
 
 def _wire_float(leaf: Leaf) -> torch.dtype:

@@ -87,7 +87,7 @@ class Wire:
     first_pieces: int = 0  # slots from here on are integers in pieces
     int_scalars: str = ""  # those integers: all 0-d tensors (TENSOR), all numbers (PYTHON)
     estimates: list[Slot] = field(default_factory=list)  # read by the plan, not unpacked here
-    # No flag element: a raised flag is a NaN in the one value (see flag_unclear)
+    # No flag element: a raised flag is a NaN in the first value (see flag_unclear)
     flag_in_nan: bool = False
     _flags: dict[Any, torch.Tensor] = field(default_factory=dict)
 

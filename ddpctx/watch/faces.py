@@ -57,69 +57,101 @@ def with_timings(
     return timed, ops
 
 
-#: A step travels as float64 halves of this many bits (their squares summed stay exact).
-_HALF_BITS = 20
-#: Up to this many ranks those sums are exact in float64: ranks * 2**40 < 2**53.
-_FLOAT_RANKS = 2**12
+#: The step check's hash: this many bits, so that ``ranks * 2**bits`` sums exactly in float64.
+_HASH_BITS = 40
+_MASK = 2**64 - 1
 
 
 def with_step(
     metrics: Mapping[str, Any], op: OpSpec, step: int, world_size: int = 1
 ) -> tuple[dict[str, Any], OpSpec]:
-    """``metrics`` with leaves that tell, after the reduction, whether every rank had ``step``.
+    """``metrics`` with a leaf that tells, after the reduction, whether every rank had ``step``.
 
-    They ride the wire the metrics use (no collective of their own where the
-    op is "mean"/"sum", "max" or "min"). Summed: each 20-bit half ``h`` of the
-    step and ``h**2`` as Python floats (for each half, all ranks' are equal
-    exactly when ``n * sum(h**2) == sum(h)**2``; every sum is exact in
-    float64 while the step is below 2**40 and the ranks fewer than 4,096).
-    Floats travel as they are, where integers would travel as exact int64
-    pieces, cut and joined by a dozen tensor operations a call (167 against
-    80 us for a loss and its step, one process). Beyond those bounds the step
-    and its square travel as integers. Under "max" or "min": ``step`` and
-    ``-step`` (all equal exactly when the two agree). See :func:`steps_agree`.
+    It rides the wire the metrics use (no collective of its own). Summed (op
+    "mean"/"sum"): one float, a 40-bit hash ``g`` of the step
+    (:func:`step_hash`); every rank had this rank's step when the sum is
+    ``ranks * g(step)``. Equal steps always pass on every rank; unequal ones
+    pass on a rank only where the hashes of the others happen to sum to that
+    (about once in 10**12 calls with unequal steps), so every rank refuses
+    them together. One element, not the four an exact check needs (each
+    20-bit half of the step and its square): gloo's latency grows with the
+    element count in steps (2 ranks: 1 element 0.27 ms, 2 elements 0.40 ms,
+    3 or more 0.6-1.3 ms), so a loss and its check travel in the 2-element
+    band. Under "max" or "min": ``step`` and ``-step`` (all equal exactly when
+    the two agree). See :func:`steps_agree`.
+
+    The leaf sits first, beside the metrics, as a ``ddpctx_step.<name>`` key
+    (not in a dict of its own): a flat dict of scalars stays flat and takes
+    the reduction's fast path (:mod:`ddpctx.reduce.fastpath`), and the
+    protocol's flag rides as NaN in a value that is never NaN.
+    :func:`take_step` takes it back out.
 
     >>> with_step({"loss": 1.0}, "max", 3)
-    ({'loss': 1.0, 'ddpctx_step': {'s': 3.0, 's2': -3.0}}, {'loss': 'max', 'ddpctx_step': 'max'})
-    >>> with_step({"loss": 1.0}, "mean", 2**20 + 3)[0]["ddpctx_step"]
-    {'a': 3.0, 'a2': 9.0, 'b': 1.0, 'b2': 1.0}
+    ({'ddpctx_step.s': 3.0, 'ddpctx_step.s2': -3.0, 'loss': 1.0}, {'loss': 'max', \
+'ddpctx_step.s': 'max', 'ddpctx_step.s2': 'max'})
+    >>> take_step(with_step({"loss": 1.0}, "mean", 7)[0]) == {"h": float(step_hash(7))}
+    True
     """
-    if STEP_KEY in metrics:
+    clash = next((key for key in metrics if _is_step_key(key)), None)
+    if clash is not None:
         raise ValueError(
-            f"ctx.log got a metric named {STEP_KEY!r}, which ddpctx uses to check the step "
+            f"ctx.log got a metric named {clash!r}, which ddpctx uses to check the step "
             "across ranks. Name the metric otherwise."
         )
     kind = op if isinstance(op, str) and op in ("max", "min") else "sum"
     leaves: dict[str, Any]
     if kind != "sum":
         leaves = {"s": float(step), "s2": -float(step)}
-    elif 0 <= step < 2 ** (2 * _HALF_BITS) and world_size < _FLOAT_RANKS:
-        low, high = step & (2**_HALF_BITS - 1), step >> _HALF_BITS
-        leaves = {"a": float(low), "a2": float(low * low), "b": float(high), "b2": float(high**2)}
     else:
-        leaves = {"s": step, "s2": step * step}
+        leaves = {"h": float(step_hash(step, world_size))}
     ops = dict(op) if isinstance(op, Mapping) else {key: op for key in metrics}
-    ops[STEP_KEY] = kind
-    return {**metrics, STEP_KEY: leaves}, ops
+    flat = {f"{STEP_KEY}.{name}": value for name, value in leaves.items()}
+    ops.update(dict.fromkeys(flat, kind))
+    return {**flat, **metrics}, ops
 
 
-def steps_agree(leaves: Mapping[str, Any], world_size: int) -> bool:
-    """Whether the reduced leaves of :func:`with_step` say every rank logged one step.
+def take_step(reduced: dict[str, Any]) -> dict[str, Any]:
+    """Pop :func:`with_step`'s leaves out of ``reduced``; return them by their own names.
 
-    >>> steps_agree({"s": 6, "s2": 18}, 2), steps_agree({"s": 5, "s2": 13}, 2)
-    (True, False)
-    >>> steps_agree({"a": 6.0, "a2": 18.0, "b": 2.0, "b2": 2.0}, 2)
+    >>> reduced = {"ddpctx_step.s": 6.0, "ddpctx_step.s2": -6.0, "loss": 0.5}
+    >>> take_step(reduced), reduced
+    ({'s': 6.0, 's2': -6.0}, {'loss': 0.5})
+    """
+    names = [key for key in reduced if _is_step_key(key)]
+    return {name[len(STEP_KEY) + 1 :]: reduced.pop(name) for name in names}
+
+
+def _is_step_key(key: Any) -> bool:
+    return isinstance(key, str) and (key == STEP_KEY or key.startswith(STEP_KEY + "."))
+
+
+def step_hash(step: int, world_size: int = 1) -> int:
+    """A well-mixed hash of ``step`` (splitmix64's finaliser) with as many bits as ``world_size``
+    ranks can sum exactly in float64: 40 up to 8,192 ranks, fewer beyond.
+
+    >>> step_hash(0) != step_hash(1) and step_hash(1) < 2**40
     True
     """
-    if "a" in leaves:  # exact sums of floats: compared as integers, where no square rounds
-        return all(
-            world_size * int(leaves[square]) == int(leaves[half]) ** 2
-            for half, square in (("a", "a2"), ("b", "b2"))
-        )
-    first, second = leaves["s"], leaves["s2"]
-    if isinstance(first, float):  # "max"/"min": max(s) == -max(-s) only when all are equal
-        return bool(first == -second)
-    return bool(world_size * second == first * first)
+    bits = min(_HASH_BITS, 53 - max(1, world_size).bit_length())
+    mixed = (step + 0x9E3779B97F4A7C15) & _MASK
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (mixed ^ (mixed >> 31)) >> (64 - bits)
+
+
+def steps_agree(leaves: Mapping[str, Any], world_size: int, step: int) -> bool:
+    """Whether the reduced leaves of :func:`with_step` say every rank logged ``step``.
+
+    >>> steps_agree({"h": 2.0 * step_hash(5, 2)}, 2, 5)
+    True
+    >>> steps_agree({"h": float(step_hash(5, 2) + step_hash(6, 2))}, 2, 5)
+    False
+    >>> steps_agree({"s": 6.0, "s2": -5.0}, 2, 6)  # under "max": max(s) 6, min(s) 5
+    False
+    """
+    if "h" in leaves:
+        return bool(leaves["h"] == world_size * step_hash(step, world_size))
+    return bool(leaves["s"] == -leaves["s2"])
 
 
 class Watch:
@@ -257,9 +289,9 @@ class WatchFaces:
             metrics, op = with_step(metrics, op, number, self.world_size)  # type: ignore[arg-type]
         caller = sys._getframe(1)
         key = f"log:{caller.f_code.co_filename}:{caller.f_lineno}"
-        site = self._sites.setdefault(key, Site(f"ctx.log at {key[4:]}"))
+        site = self._sites.get(key) or self._sites.setdefault(key, Site(f"ctx.log at {key[4:]}"))
         reduced: dict[str, Any] = all_reduce_tree(dict(metrics), op, weight, site=site)
-        if checked and not steps_agree(reduced.pop(STEP_KEY), self.world_size):
+        if checked and not steps_agree(take_step(reduced), self.world_size, number):  # type: ignore[arg-type]
             everyone = all_gather_objects(number)  # every rank saw the disagreement
             raise ValueError(
                 "ctx.log was called with a different step on different ranks ("

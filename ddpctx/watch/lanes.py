@@ -3,7 +3,8 @@
 A :class:`Lane` owns one logger and calls it from its own daemon thread, one
 call at a time, in the order the commands came. Contract:
 
-- Points arrive in batches: a built-in logger
+- Points arrive in batches (``put("points", [...])`` from the dispatcher,
+  each batch what came in one :data:`~ddpctx.watch.trail.DISPATCH_S`): a built-in logger
   (:class:`~ddpctx.watch.files.FileLogger`) gets the whole batch at once
   (one write; the lines are in the file when it returns), a user's logger one
   ``log_metrics`` per point. While idle the lane ``tick()``s a built-in
@@ -16,8 +17,8 @@ call at a time, in the order the commands came. Contract:
   and talks to a server in its first call says a longer time) is *stuck*: a
   checkpoint's flush and the end of the block stop waiting for it
   (warning once, naming that logger only), and points for it beyond
-  :data:`QUEUE_LIMIT` are counted, not queued (nor are markers that would
-  follow them), so training never waits on it.
+  :data:`QUEUE_LIMIT` waiting are counted, not queued, so training never
+  waits on it (nor does memory grow).
   A stuck logger that returns carries on with what is queued.
 - :meth:`Lane.wait` waits for a marker as long as the lane makes progress:
   a slow logger is waited for, never cut off while it is still writing.
@@ -54,7 +55,9 @@ class Lane:
         self.received = 0  # points handed to put()
         self.written = 0  # points the logger returned from
         self.lost = 0  # points never queued because the logger was stuck
-        self._queue: queue.Queue[_Command] = queue.Queue(QUEUE_LIMIT)
+        self._queue: queue.Queue[_Command] = queue.Queue()
+        self._waiting = 0  # points queued, not yet taken by the thread
+        self._count_lock = threading.Lock()
         self._busy_since: float | None = None
         self._stuck_after = float(getattr(logger, "stuck_after_s", STUCK_S))
         self._thread = threading.Thread(
@@ -72,17 +75,19 @@ class Lane:
         return self._thread.is_alive()
 
     def put(self, kind: str, payload: Any = None) -> None:
-        """Queue a command; waits while the queue is full unless the logger is stuck."""
-        if kind == "metrics":
-            self.received += 1
-        while True:
-            try:
-                self._queue.put((kind, payload), timeout=0.1)
+        """Queue a command; points wait while :data:`QUEUE_LIMIT` wait, unless it is stuck."""
+        points = len(payload) if kind == "points" else 0
+        self.received += points
+        while points:
+            with self._count_lock:
+                if self._waiting == 0 or self._waiting + points <= QUEUE_LIMIT:
+                    self._waiting += points
+                    break
+            if self.stuck:  # nobody waits on it
+                self.lost += points
                 return
-            except queue.Full:
-                if self.stuck:  # nobody waits on it: a marker it would not reach is moot
-                    self.lost += kind == "metrics"
-                    return
+            time.sleep(0.01)
+        self._queue.put((kind, payload))
 
     def wait(self, done: threading.Event, what: str) -> bool:
         """Wait for ``done`` while this lane progresses; False (warned once) when it is stuck."""
@@ -131,8 +136,10 @@ class Lane:
                 self._call("tick")
                 continue
             batch: list[Point] = []
-            while command[0] == "metrics":
-                batch.append(command[1])
+            while command[0] == "points":
+                batch.extend(command[1])
+                with self._count_lock:
+                    self._waiting -= len(command[1])
                 try:
                     command = self._queue.get_nowait()
                 except queue.Empty:
