@@ -209,12 +209,13 @@ def logging(mode: dict[str, int], log_dir: str) -> dict[str, dict[str, list[floa
         _, ops = with_step({"loss": 0.0}, "mean", 0, ctx.world_size)
 
         @all_reduced(op=ops)
-        def with_its_step(loss: torch.Tensor) -> dict[str, Any]:
-            return with_step({"loss": loss}, "mean", next(steps), ctx.world_size)[0]
+        def with_its_step(loss: torch.Tensor, step: int) -> dict[str, Any]:
+            return with_step({"loss": loss}, "mean", step, ctx.world_size)[0]
 
         def same_reduction(loss: torch.Tensor) -> object:
-            reduced = with_its_step(loss)
-            return steps_agree(take_step(reduced), ctx.world_size)
+            step = next(steps)
+            reduced = with_its_step(loss, step)
+            return steps_agree(take_step(reduced), ctx.world_size, step)
 
         @all_reduced
         def loss_alone(loss: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Helpers for tests that start real processes: torchrun runs and socket tables."""
+"""Helpers for tests that start real processes: torchrun runs, socket tables, collectives."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -292,3 +293,37 @@ def build_site(folder: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=patience(300),
     )
+
+
+class Reductions:
+    """The element count of every reduction collective issued, while inside (the real ones run).
+
+    A reduction is a ``dist.all_reduce``, or a ``dist.all_gather`` (a small buffer of a 2-rank
+    gloo group travels that way: ``ddpctx.reduce.transport``); object gathers do not count.
+    """
+
+    def __enter__(self) -> Reductions:
+        import torch.distributed as dist
+
+        self.sizes: list[int] = []
+        self.originals = (dist.all_reduce, dist.all_gather)
+
+        def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            self.sizes.append(tensor.numel())
+            return self.originals[0](tensor, *args, **kwargs)
+
+        def all_gather(outputs: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            self.sizes.append(tensor.numel())
+            return self.originals[1](outputs, tensor, *args, **kwargs)
+
+        dist.all_reduce, dist.all_gather = all_reduce, all_gather  # type: ignore[assignment]
+        return self
+
+    @property
+    def calls(self) -> int:
+        return len(self.sizes)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce, dist.all_gather = self.originals  # type: ignore[assignment]

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddpctx import (
     DistContext,
@@ -25,29 +24,11 @@ from ddpctx import (
     rank_zero_only,
 )
 from ddpctx.rankzero.outcome import Outcome, Place, share
-from tests.helpers import patience
+from tests.helpers import Reductions, patience
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 FAST = 5.0  # seconds within which a failure must reach every rank
 Pair = namedtuple("Pair", "first second")
-
-
-class CountingAllReduce:
-    """Counts calls to dist.all_reduce (the real one still runs)."""
-
-    def __enter__(self) -> CountingAllReduce:
-        self.calls = 0
-        self.original = dist.all_reduce
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            return self.original(*args, **kwargs)
-
-        dist.all_reduce = counted
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self.original
 
 
 @RANKS
@@ -285,7 +266,7 @@ def test_one_collective_for_all_mean_and_sum_leaves(dist_ctx: DistContext) -> No
     counts = []
     for fn in (thirty_two, with_max, grows):
         fn()  # a site's first call also agrees on the layout
-        with CountingAllReduce() as counter:
+        with Reductions() as counter:
             result = fn()
         counts.append(counter.calls)
     # one; one more for "max" only; a large tensor too is one

@@ -27,7 +27,7 @@ import ddpctx
 from ddpctx import DistContext, HangError, RankError, ReductionError, launch
 from ddpctx.reduce import collectives, fastpath
 from ddpctx.reduce.collectives import Site, all_reduce_tree
-from tests.helpers import patience
+from tests.helpers import Reductions, patience
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=120)
 FAST = 5.0  # seconds within which a failure must reach every rank
@@ -44,31 +44,33 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, None]
 INTEGERS = [torch.int64, torch.int32, torch.bool]
 
 
-class Counted:
-    """Counts the collectives and the general path's planning calls (the real ones run)."""
+class Counted(Reductions):
+    """Counts the reductions, object gathers and general path's planning calls (they run)."""
 
     def __enter__(self) -> Counted:
-        self.reduces = self.gathers = self.prepares = 0
-        self.originals = (dist.all_reduce, dist.all_gather_object, collectives._prepare)
-
-        def all_reduce(*args: Any, **kwargs: Any) -> Any:
-            self.reduces += 1
-            return self.originals[0](*args, **kwargs)
+        super().__enter__()
+        self.gathers = self.prepares = 0
+        self.kept = (dist.all_gather_object, collectives._prepare)
 
         def all_gather_object(*args: Any, **kwargs: Any) -> Any:
             self.gathers += 1
-            return self.originals[1](*args, **kwargs)
+            return self.kept[0](*args, **kwargs)
 
         def prepare(*args: Any, **kwargs: Any) -> Any:
             self.prepares += 1
-            return self.originals[2](*args, **kwargs)
+            return self.kept[1](*args, **kwargs)
 
-        dist.all_reduce, dist.all_gather_object = all_reduce, all_gather_object  # type: ignore[assignment]
+        dist.all_gather_object = all_gather_object  # type: ignore[assignment]
         collectives._prepare = prepare  # type: ignore[assignment]
         return self
 
+    @property
+    def reduces(self) -> int:
+        return self.calls
+
     def __exit__(self, *exc: object) -> None:
-        dist.all_reduce, dist.all_gather_object, collectives._prepare = self.originals  # type: ignore[assignment]
+        dist.all_gather_object, collectives._prepare = self.kept  # type: ignore[assignment]
+        super().__exit__(*exc)
 
 
 def metrics(dtype: torch.dtype | None, numbers: list[float]) -> dict[str, Any]:
@@ -451,23 +453,6 @@ def _steady_then_diverge() -> None:
             ctx.all_reduce(torch.tensor(1.0))
 
 
-class Sizes:
-    """Records the element count of every all_reduce (the real one runs)."""
-
-    def __enter__(self) -> list[int]:
-        self.original, self.sizes = dist.all_reduce, []
-
-        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.sizes.append(tensor.numel())
-            return self.original(tensor, *args, **kwargs)
-
-        dist.all_reduce = all_reduce  # type: ignore[assignment]
-        return self.sizes
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self.original
-
-
 ONE_VALUE = {
     "tensor": lambda x: torch.tensor(x),
     "float": lambda x: x,
@@ -502,18 +487,18 @@ def test_one_value_travels_alone_and_its_flag_as_nan(
 
     for step in range(3):
         mine = 1.5 + rank + step
-        with Sizes() as sizes:
+        with Reductions() as recorded:
             got = value_of(reduce(make(mine)))
         assert got == reference([1.5 + r + step for r in range(n)])
-    assert sizes == [1], sizes  # steady: one collective of one element
+    assert recorded.sizes == [1], recorded.sizes  # steady: one collective of one element
     # a NaN (or +inf with -inf) in the data is data: NaN everywhere, one question more
     for bad in ([float("nan")] + [0.0] * (n - 1), [float("inf"), -float("inf")] + [1.0] * (n - 2)):
         if op == "prod" and bad[0] == float("inf"):
             continue  # inf * -inf is -inf, not NaN
-        with Sizes() as sizes:
+        with Reductions() as recorded:
             got = value_of(reduce(make(bad[rank])))
         assert got != got, got
-        assert sizes == [1, 1], sizes
+        assert recorded.sizes == [1, 1], recorded.sizes
     # and the steady state goes on
     assert value_of(reduce(make(2.0))) == reference([2.0] * n)
     # a rank that leaves the structure raises the flag (a NaN): an error on every rank

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ddpctx import DistContext, ReductionError
 from ddpctx.reduce.collectives import Site, all_reduce_tree
-from tests.helpers import patience
+from tests.helpers import Reductions, patience
 
 SETTINGS = settings(
     max_examples=12,
@@ -33,24 +33,6 @@ SETTINGS = settings(
     suppress_health_check=list(HealthCheck),
 )
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT}
-
-
-class Sizes:
-    """Records the element count of every all_reduce (the real one runs)."""
-
-    def __enter__(self) -> list[int]:
-        self.original = dist.all_reduce
-        self.sizes: list[int] = []
-
-        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.sizes.append(tensor.numel())
-            return self.original(tensor, *args, **kwargs)
-
-        dist.all_reduce = all_reduce
-        return self.sizes
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self.original
 
 
 def by_hand(tensor: torch.Tensor, op: str, world: int) -> torch.Tensor:
@@ -91,7 +73,7 @@ def test_one_large_tensor_is_reduced_bit_for_bit_as_by_hand_in_one_buffer_its_le
         site = Site(f"large-{case['shape']}-{case['dtype']}-{case['op']}")
         problems = []
         for _ in range(2):  # the first call agrees, the second is the steady state
-            with Sizes() as sizes:
+            with Reductions() as recorded:
                 ours = all_reduce_tree(mine, case["op"], site=site)
             want = by_hand(mine.detach(), case["op"], world)
             if not torch.equal(ours, want):
@@ -104,8 +86,8 @@ def test_one_large_tensor_is_reduced_bit_for_bit_as_by_hand_in_one_buffer_its_le
                 problems.append("attached to the input's graph")
             if not torch.equal(mine.detach(), before):
                 problems.append("the input was written to")
-        if sizes != [mine.numel()]:
-            problems.append(f"steady state sent {sizes}, not one buffer of {mine.numel()}")
+        if recorded.sizes != [mine.numel()]:
+            problems.append(f"steady state sent {recorded.sizes}, not one buffer of {mine.numel()}")
         agreed = dist_ctx.all_gather(problems)
         assert not any(agreed), (case, agreed)
 
@@ -156,15 +138,15 @@ def test_a_1m_tensor_meeting_another_shape_or_a_failure_is_an_error_on_every_ran
     # a NaN in the first value of the data is data: one question more, then NaN there
     nan_first = big.clone()
     nan_first[0] = float("nan") if rank == 0 else 1.0
-    with Sizes() as sizes:
+    with Reductions() as recorded:
         got = all_reduce_tree(nan_first, site=site)
-    assert sizes == [1_000_000, 1], sizes
+    assert recorded.sizes == [1_000_000, 1], recorded.sizes
     assert got[0] != got[0]
     assert torch.equal(got[1:], torch.full_like(big[1:], mean))
     # the steady state goes on, one buffer of the tensor's length
-    with Sizes() as sizes:
+    with Reductions() as recorded:
         assert torch.equal(all_reduce_tree(big, site=site), torch.full_like(big, mean))
-    assert sizes == [1_000_000]
+    assert recorded.sizes == [1_000_000]
     # a failure on one rank reaches every rank
     from ddpctx.reduce.collectives import report_failure
 

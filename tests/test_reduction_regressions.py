@@ -21,28 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ddpctx import DistContext, ReductionError, all_reduced
-from tests.helpers import patience
+from tests.helpers import Reductions, patience
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
 FAST = 5.0  # seconds within which a failure must reach every rank
-
-
-class RecordingAllReduce:
-    """Records the element count of every dist.all_reduce (the real one still runs)."""
-
-    def __enter__(self) -> RecordingAllReduce:
-        self.numels: list[int] = []
-        self.original = dist.all_reduce
-
-        def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.numels.append(tensor.numel())
-            return self.original(tensor, *args, **kwargs)
-
-        dist.all_reduce = recorded
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self.original
 
 
 # 1. NumPy float64 scalars ---------------------------------------------------------------
@@ -277,10 +259,10 @@ def test_a_call_site_buffer_shrinks_back_after_a_large_result(dist_ctx: DistCont
     site = all_reduced(lambda big: {"t": torch.ones(100_000)} if big else {"loss": 1.0})
     site(True)
     site(False)
-    with RecordingAllReduce() as recorder:
+    with Reductions() as recorder:
         assert site(False) == {"loss": 1.0}
-    assert recorder.numels
-    assert max(recorder.numels) <= 16
+    assert recorder.sizes
+    assert max(recorder.sizes) <= 16
 
 
 # 10. all_gather returns copies ---------------------------------------------------------------

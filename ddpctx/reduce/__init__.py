@@ -6,7 +6,9 @@
 - :mod:`~ddpctx.reduce.packing`: a result's plan: which leaves travel in which wire.
 - :mod:`~ddpctx.reduce.collectives`: the protocol (agree on a structure once, then one
   payload collective per call), broadcast and gather of objects.
-- :mod:`~ddpctx.reduce.fastpath`: a call site's steady state: the payload, its flag in it or in front.
+- :mod:`~ddpctx.reduce.fastpath`: a call site's steady state: the payload and its flag.
+- :mod:`~ddpctx.reduce.transport`: a buffer reduced by torch's ``all_reduce`` or, small on
+  2-rank gloo, by one ``all_gather``.
 - :mod:`~ddpctx.reduce.objects`: any picklable object broadcast or gathered.
 - :mod:`~ddpctx.reduce.handles`: the ``async_op=True`` handle; handles finish in issue order.
 - :mod:`~ddpctx.reduce.guard`: refuses a collective no other rank could join (another

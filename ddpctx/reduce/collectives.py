@@ -92,16 +92,11 @@ from ddpctx.reduce.fastpath import FastPath
 from ddpctx.reduce.guard import check_caller
 from ddpctx.reduce.handles import Reduction as Reduction
 from ddpctx.reduce.packing import OPS, OpSpec, Plan, plan_key
+from ddpctx.reduce.transport import all_reduce
 from ddpctx.reduce.tree import signature
 from ddpctx.reduce.wire import Wire
 from ddpctx.utils.issuing import ISSUING
 
-_TORCH_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "prod": dist.ReduceOp.PRODUCT,
-}
 #: The first wire of a site that has not agreed on a layout in this group yet: its raised
 #: flag is a NaN, so a rank at a steady one-value site it meets (ranks out of step)
 #: takes the slow path too, instead of reading a flag of 1.0 as part of a sum.
@@ -270,11 +265,11 @@ def _send_fast(
     """The steady state: one collective, the flag read, the result read back."""
     if fast.world == 1:
         return _done(fast.unpack(buffer), async_op)
-    op = _TORCH_OPS[fast.wire.op]
+    op = fast.wire.op
     if not async_op:
-        dist.all_reduce(buffer, op=op, group=group)
+        all_reduce(buffer, op, group)
         return _finish_fast(fast, buffer, obj, site, group)
-    work = dist.all_reduce(buffer, op=op, group=group, async_op=True)
+    work = all_reduce(buffer, op, group, async_op=True)
 
     def finish() -> Any:
         work.wait()
@@ -292,7 +287,7 @@ def _finish_fast(fast: FastPath, buffer: torch.Tensor, obj: Any, site: Site, gro
     plan, values = _prepare(obj, fast.op, fast.weight, world, site, device)
     buffers = plan.pack(values, device)
     _agree(plan, None, site, group, world)
-    dist.all_reduce(buffers[0], op=_TORCH_OPS[plan.wires[0].op], group=group)
+    all_reduce(buffers[0], plan.wires[0].op, group)
     return _rest(plan, values, buffers, group, device, world)
 
 
@@ -330,10 +325,7 @@ def _send(
         site.agree(plan, the_group)  # the same structure, planned again
         agreed = plan
     sent = _issued_wires(agreed, plan, buffers, device)
-    works = [
-        dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group, async_op=True)
-        for wire, buffer in sent
-    ]
+    works = [all_reduce(buffer, wire.op, group, async_op=True) for wire, buffer in sent]
     wire, first = sent[0]
 
     def finish() -> Any:
@@ -341,7 +333,7 @@ def _send(
             work.wait()
         if _raised(wire, float(first[0]), agreed is not plan, group):
             _agree(plan, None, site, group, world)
-            dist.all_reduce(buffers[0], op=_TORCH_OPS[plan.wires[0].op], group=group)
+            all_reduce(buffers[0], plan.wires[0].op, group)
             return _rest(plan, values, buffers, group, device, world)
         return _rest(plan, values, buffers, group, device, world, sent=True)
 
@@ -390,7 +382,7 @@ def _rest(
     """
     for wire, buffer in zip(plan.wires[1:], buffers[1:], strict=True):
         if not sent:
-            dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group)
+            all_reduce(buffer, wire.op, group)
     for wire, buffer in zip(plan.wires, buffers, strict=True):
         if wire.nan_seen(buffer):  # the same answer on every rank: all take this branch
             _put_nans(wire, buffer, values, device, group)
@@ -404,7 +396,7 @@ def _put_nans(
     raw = wire.pack(values, device, hide_nans=False)
     held = torch.isnan(raw).to(wire.dtype)
     if group_size(group) > 1:
-        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(held, "max", group)
     start = int(wire.flag)
     body = slice(start, wire.length - 1)
     reduced[body] = torch.where(held[body] > 0, torch.nan, reduced[body])
@@ -488,10 +480,7 @@ def _tell_failure(error: BaseException, site: Site, group: Any, async_op: bool) 
     if world > 1:
         sent = _issued_wires(agreed, None, [], comm_device(group))  # as the others send
         try:
-            works = [
-                dist.all_reduce(buffer, op=_TORCH_OPS[wire.op], group=group, async_op=True)
-                for wire, buffer in sent
-            ]
+            works = [all_reduce(buffer, wire.op, group, async_op=True) for wire, buffer in sent]
         except Exception:  # a broken group: nothing more can be told
             works = []
 
