@@ -171,7 +171,7 @@ class StepClock:
         self.tracker = tracker
         self.window = window
         self.count = 0  # steps closed since the block began
-        self._steps: deque[StepTime] = deque(maxlen=max(window, 1))
+        self._steps: deque[tuple[float, float, float, float]] = deque(maxlen=max(window, 1))
         self._lock = threading.Lock()  # the publishing thread reads while the main thread writes
         self._open: _Open | None = None
         self._cuda = cuda
@@ -204,7 +204,9 @@ class StepClock:
         """``batches``, each hand-over timed as data wait (and, with no optimizer, a step)."""
         iterator = iter(batches)
         monotonic = time.monotonic
-        self.fed = True
+        if not self.fed:
+            self.fed = True
+            self.close()  # from now on forwards begin no step: their hooks have nothing to do
         try:
             while True:
                 start = monotonic()
@@ -254,8 +256,7 @@ class StepClock:
             return
         now = time.monotonic()
         self.by_optimizer = True
-        self._close(now)
-        self._begin(now)
+        self._begin(now, *self._close(now))  # one read of the counters for both
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -299,8 +300,13 @@ class StepClock:
         return undo
 
     def watch_model(self, model: object) -> None:
-        """Time ``model``'s forward (a model from ``ctx.wrap`` or ``ctx.shard``)."""
-        if not isinstance(model, nn.Module):
+        """Time ``model``'s forward (a model from ``ctx.wrap`` or ``ctx.shard``).
+
+        Only until a ``ctx.dataloader`` pass begins: from then on its batches
+        begin steps, and a forward's hooks (torch's slower call path, and a few
+        microseconds of ours) would measure nothing.
+        """
+        if not isinstance(model, nn.Module) or self.fed:
             return
 
         def pre(*_: Any) -> None:
@@ -309,10 +315,11 @@ class StepClock:
         def post(*_: Any) -> None:
             self.leave()
 
-        if "torch._dynamo" in sys.modules:  # the model is compiled (compile=): dynamo is loaded
+        if _compiled(model):
             # Run as plain Python in the compiled forward: a hook dynamo traced would break
-            # its graph at every call (threading.get_ident is opaque to it). Only then:
-            # importing dynamo costs seconds and imports FSDP2 with it.
+            # its graph at every call (threading.get_ident is opaque to it). Only then: a
+            # disabled hook costs about 25 us a call (three a step), and dynamo is loaded
+            # by DDP itself, so its presence says nothing about this model.
             disable = torch.compiler.disable
             pre, post = disable(pre), disable(post)  # type: ignore[no-untyped-call]
 
@@ -344,19 +351,24 @@ class StepClock:
         except (OSError, IndexError, ValueError):
             return 0.0
 
-    def _begin(self, now: float) -> None:
-        self._open = _Open(now, self._waited(), self._run_delay())
+    def _begin(self, now: float, waited: float | None = None, delay: float | None = None) -> None:
+        """A step begins at ``now`` (``waited``, ``delay``: the counters, when just read)."""
+        if waited is None or delay is None:
+            waited, delay = self._waited(), self._run_delay()
+        self._open = _Open(now, waited, delay)
         for listener in self.listeners:
             listener(self.opened)
         self.opened += 1
 
-    def _close(self, now: float) -> None:
+    def _close(self, now: float) -> tuple[float | None, float | None]:
+        """The open step ends at ``now``; returns the counters it read (None: none open)."""
         opened = self._open
         if opened is None:
-            return
+            return None, None
         self._open = None
-        collective = max(0.0, self._waited() - opened.waited)
-        starved = max(0.0, self._run_delay() - opened.starved)
+        waited, delay = self._waited(), self._run_delay()
+        collective = max(0.0, waited - opened.waited)
+        starved = max(0.0, delay - opened.starved)
         total = now - opened.start
         if opened.fed or not opened.work:
             data = opened.loader
@@ -366,10 +378,12 @@ class StepClock:
             data = max(0.0, total - collective - host)
         if self._cuda:
             self._close_on_gpu(data, collective, host, starved)
-            return
-        self._add(StepTime(data, host, collective, starved))
+        else:
+            self._add((data, host, collective, starved))
+        return waited, delay
 
-    def _add(self, step: StepTime) -> None:
+    def _add(self, step: tuple[float, float, float, float]) -> None:
+        """A closed step's phases, kept as a tuple (a :class:`StepTime` is made when read)."""
         with self._lock:
             self._steps.append(step)
             self.count += 1
@@ -383,7 +397,7 @@ class StepClock:
         """
         end = self._new_event()
         if end is None:
-            self._add(StepTime(data, host, collective, starved))
+            self._add((data, host, collective, starved))
             return
         end.record()
         previous, self._last_event = self._last_event, end
@@ -391,11 +405,11 @@ class StepClock:
         while self._gpu and self._gpu[0][1].query():
             begin, finish, data_s, collective_s, host_s, starved_s = self._gpu.popleft()
             if begin is None:
-                self._add(StepTime(data_s, host_s, collective_s, starved_s))
+                self._add((data_s, host_s, collective_s, starved_s))
                 continue
             gpu_s = begin.elapsed_time(finish) / 1000.0
             compute = max(host_s, gpu_s - data_s - collective_s)
-            self._add(StepTime(data_s, compute, collective_s, starved_s))
+            self._add((data_s, compute, collective_s, starved_s))
 
     def _new_event(self) -> Any:
         """A timing CUDA event (None before CUDA is in use): ``event_factory`` if given."""
@@ -407,12 +421,12 @@ class StepClock:
     def recent(self) -> list[StepTime]:
         """The last ``window`` steps, oldest first."""
         with self._lock:
-            return list(self._steps)
+            return [StepTime(*step) for step in self._steps]
 
     def summary(self, rank: int, host: str) -> PhaseTimes:
         """This rank's medians over the window (zeros before its first step)."""
         with self._lock:
-            steps, count = list(self._steps), self.count
+            steps, count = [StepTime(*step) for step in self._steps], self.count
         if not steps:
             return PhaseTimes(rank, host, count, 0.0, 0.0, 0.0, 0.0)
         return PhaseTimes(
@@ -425,3 +439,13 @@ class StepClock:
             statistics.median(s.step for s in steps),
             statistics.median(s.starved for s in steps),
         )
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether ``model``'s own call runs compiled: ``module.compile()`` (what ``compile=``
+    does) or a ``torch.compile`` wrapper around it."""
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(model, optimized)
