@@ -158,26 +158,35 @@ def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], 
         return leaves, values, lambda new_values: dict(zip(keys, new_values, strict=True))
 
     def rebuild(new_values: Sequence[Any]) -> Any:
-        def build(node: Any) -> Any:
-            if isinstance(node, int):
-                return new_values[node]
-            container, children = node
-            if isinstance(container, _Refill):
-                return container.kind(container.factory, [(k, build(c)) for k, c in children])
-            if issubclass(container, dict):
-                items = {key: build(child) for key, child in children}
-                try:  # a mapping, not pairs: Counter(pairs) would count the pairs
-                    return items if container is dict else container(items)
-                except TypeError:  # no plain constructor: a plain dict
-                    return items
-            built = [build(child) for child in children]
-            if issubclass(container, tuple) and hasattr(container, "_fields"):
-                return container(*built)
-            return container(built)
-
-        return build(template)
+        return _build(template, new_values)
 
     return leaves, values, rebuild
+
+
+def _build(node: Any, new_values: Sequence[Any]) -> Any:
+    """The container ``node`` of a template, holding ``new_values``.
+
+    A function of its own, not a closure inside ``rebuild``: a closure that
+    calls itself is a reference cycle holding the values, so every reduced
+    result (a 4 MB buffer for a 1M-element tensor) lived until the cyclic
+    garbage collector ran, and each call's buffer came from fresh pages
+    (1.5 ms of page faults per call at 2 ranks, against the 0.6 ms copy).
+    """
+    if isinstance(node, int):
+        return new_values[node]
+    container, children = node
+    if isinstance(container, _Refill):
+        return container.kind(container.factory, [(k, _build(c, new_values)) for k, c in children])
+    if issubclass(container, dict):
+        items = {key: _build(child, new_values) for key, child in children}
+        try:  # a mapping, not pairs: Counter(pairs) would count the pairs
+            return items if container is dict else container(items)
+        except TypeError:  # no plain constructor: a plain dict
+            return items
+    built = [_build(child, new_values) for child in children]
+    if issubclass(container, tuple) and hasattr(container, "_fields"):
+        return container(*built)
+    return container(built)
 
 
 @dataclass(frozen=True)
