@@ -10,6 +10,7 @@ straggler watcher (:mod:`ddpctx.watch.watcher`) and armed profiles
 
 from __future__ import annotations
 
+import functools
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -60,6 +61,7 @@ def with_timings(
 #: The step check's hash: this many bits, so that ``ranks * 2**bits`` sums exactly in float64.
 _HASH_BITS = 40
 _MASK = 2**64 - 1
+_HASHED = f"{STEP_KEY}.h"
 
 
 def with_step(
@@ -117,6 +119,8 @@ def take_step(reduced: dict[str, Any]) -> dict[str, Any]:
     >>> take_step(reduced), reduced
     ({'s': 6.0, 's2': -6.0}, {'loss': 0.5})
     """
+    if _HASHED in reduced:  # the common case: one leaf, popped by name
+        return {"h": reduced.pop(_HASHED)}
     names = [key for key in reduced if _is_step_key(key)]
     return {name[len(STEP_KEY) + 1 :]: reduced.pop(name) for name in names}
 
@@ -125,6 +129,7 @@ def _is_step_key(key: Any) -> bool:
     return isinstance(key, str) and (key == STEP_KEY or key.startswith(STEP_KEY + "."))
 
 
+@functools.lru_cache(maxsize=8)  # with_step and steps_agree hash the same step
 def step_hash(step: int, world_size: int = 1) -> int:
     """A well-mixed hash of ``step`` (splitmix64's finaliser) with as many bits as ``world_size``
     ranks can sum exactly in float64: 40 up to 8,192 ranks, fewer beyond.

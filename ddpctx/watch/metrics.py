@@ -53,17 +53,16 @@ def check_scalars(values: Mapping[str, Any]) -> None:
             "ctx.log got a metric named 'step', which is the trail's own column. Pass the step "
             "as ctx.log(metrics, step=...), or name the metric otherwise (e.g. 'global_step')."
         )
+    if not any(isinstance(value, Mapping) for value in values.values()):
+        for key, value in values.items():  # flat: no two keys can name one metric
+            if not _one_number(value):
+                _refuse(str(key), value)
+        return
     seen: dict[str, tuple[Any, ...]] = {}
     for keys, value in _leaves(values, ()):
         name = "/".join(map(str, keys))
-        if not (
-            isinstance(value, (bool, int, float, np.number))
-            or (hasattr(value, "shape") and math.prod(getattr(value, "shape", ())) == 1)
-        ):
-            raise ValueError(
-                f"ctx.log: {name!r} is {type(value).__name__} {short(value)}, not one number. "
-                "Log a scalar (e.g. tensor.mean()), or a dict of scalars."
-            )
+        if not _one_number(value):
+            _refuse(name, value)
         if name in seen:
             raise ValueError(
                 f"ctx.log: the keys {_path(seen[name])} and {_path(keys)} both name the metric "
@@ -71,6 +70,20 @@ def check_scalars(values: Mapping[str, Any]) -> None:
                 "only one of them. Rename one of the two keys."
             )
         seen[name] = keys
+
+
+def _one_number(value: Any) -> bool:
+    return type(value) is float or (
+        isinstance(value, (bool, int, float, np.number))
+        or (hasattr(value, "shape") and math.prod(getattr(value, "shape", ())) == 1)
+    )
+
+
+def _refuse(name: str, value: Any) -> None:
+    raise ValueError(
+        f"ctx.log: {name!r} is {type(value).__name__} {short(value)}, not one number. "
+        "Log a scalar (e.g. tensor.mean()), or a dict of scalars."
+    )
 
 
 def flat_metrics(values: Mapping[str, Any]) -> dict[str, float]:
