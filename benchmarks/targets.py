@@ -17,12 +17,14 @@ same on both ranks), a barrier before each one's calls:
   ``distributed(timings=True, straggler=True)`` against
   ``distributed(timings=False, straggler=False)`` (a second ``off`` row gives
   the noise), target <= 1.01x, by wall time and by the main thread's CPU time
-  (``time.thread_time``) per block.
-- **ctx.log**: in one ``distributed(log_dir=...)`` block, the same training step
-  with ``ctx.log({"loss": loss})`` against the same dict through ``@all_reduced``:
-  the extra microseconds per step, target <= 20 us; beside it, how much of that is
-  ctx.log's step check (the dict with the step's leaves through ``@all_reduced``).
-
+  (``time.thread_time``) of each block's median step (each step timed on its
+  own: the median, unlike a block's total, is not moved by the odd step that
+  met an interrupt or a collection).
+- **ctx.log**: in one ``distributed(log_dir=...)`` block, ``ctx.log({"loss": loss})``
+  against the reduction it does -- the loss and its step check (one float,
+  see :func:`ddpctx.watch.faces.with_step`) through ``@all_reduced`` -- per call
+  (the 32 metrics' rounds and calls), target <= 20 us; beside it, what the step
+  check costs over the loss alone, and the same rows inside training steps.
 Each ratio is the median over rounds of the round's two measurements' ratio
 (a difference for ctx.log), with a 95% bootstrap interval of that median
 (:func:`~benchmarks.stats.median_interval`); :func:`verdict_of` reads each
@@ -123,15 +125,19 @@ def _timed(fn: Callable[[], object], calls: int) -> tuple[float, float]:
 def _contest(
     ctx: Any, contenders: dict[str, Callable[[], object]], rounds: int, calls: int
 ) -> dict[str, list[float]]:
-    """Per contender, wall seconds per call of each round, interleaved and shuffled."""
+    """Per contender, wall seconds per call of each round, interleaved and shuffled; and
+    under ``"<name> cpu"``, the main thread's CPU seconds per call of the same rounds."""
     for fn in contenders.values():  # warm-up: buffers sized, connections hot
         for _ in range(3):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in contenders}
+    samples.update({f"{name} cpu": [] for name in contenders})
     for index in range(rounds):
         for name in round_order(list(contenders), index):
             ctx.barrier()
-            samples[name].append(_timed(contenders[name], calls)[0])
+            wall, cpu = _timed(contenders[name], calls)
+            samples[name].append(wall)
+            samples[f"{name} cpu"].append(cpu)
     return samples
 
 
@@ -167,19 +173,29 @@ def reductions(ctx: Any, mode: dict[str, int]) -> dict[str, dict[str, list[float
 
 
 def _block(ctx: Any, steps: int, metric: Callable[[torch.Tensor], object]) -> tuple[float, float]:
-    """Wall and main-thread CPU seconds of ``steps`` training steps after a warm-up."""
+    """The median wall and main-thread CPU seconds of one of ``steps`` training steps.
+
+    Each step is timed on its own and the block gives its medians: a step that
+    met an interrupt, a collection or the other rank's page faults moves a
+    block's total but not its median, which is what lets a 1% bar resolve.
+    """
     from benchmarks.workload import BATCH, FEATURES, seeded_model, train_step
 
     model, optimizer = seeded_model(ctx)
     data = [(torch.randn(FEATURES), torch.randn(1)) for _ in range((steps + WARM_UP) * BATCH * 2)]
     loader = ctx.dataloader(data, batch_size=BATCH)
     ctx.barrier()
-    wall = cpu = 0.0
-    for index, (x, y) in enumerate(loader):
-        if index == WARM_UP:
-            wall, cpu = time.perf_counter(), time.thread_time()
+    walls: list[float] = []
+    cpus: list[float] = []
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for index, (x, y) in enumerate(loader):  # a step: from one batch's arrival to the next's
         metric(train_step(model, optimizer, x, y).detach())
-    return time.perf_counter() - wall, time.thread_time() - cpu
+        now, now_cpu = time.perf_counter(), time.thread_time()
+        if index >= WARM_UP:
+            walls.append(now - wall)
+            cpus.append(now_cpu - cpu)
+        wall, cpu = now, now_cpu
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def watching(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]:
@@ -232,6 +248,12 @@ def logging(mode: dict[str, int], log_dir: str) -> dict[str, dict[str, list[floa
                 if index:
                     times[row]["wall"].append(wall)
                     times[row]["cpu"].append(cpu)
+        loss = torch.tensor(float(ctx.rank) + 0.5)
+        calls = {row: (lambda fn=fn: fn(loss)) for row, fn in metric.items()}
+        contest = _contest(ctx, calls, mode["small"], mode["small_calls"])
+        for row in LOG_ROWS:
+            times[row]["call wall"] = contest[row]
+            times[row]["call cpu"] = contest[f"{row} cpu"]
     return times
 
 
@@ -249,11 +271,10 @@ def job(mode_name: str, out: str) -> None:
         Path(out).write_text(json.dumps(results))
 
 
-def per_step_us(
-    blocks: list[float], references: list[float], steps: int
-) -> tuple[float, float, float]:
-    """The median extra microseconds a step of ``blocks`` over ``references``, and its interval."""
-    extra = [(mine - theirs) / steps * 1e6 for mine, theirs in zip(blocks, references, strict=True)]
+def extra_us(values: list[float], references: list[float]) -> tuple[float, float, float]:
+    """The median extra microseconds of ``values`` over ``references`` (round by round), and
+    its interval."""
+    extra = [(mine - theirs) * 1e6 for mine, theirs in zip(values, references, strict=True)]
     return median_interval(extra)
 
 
@@ -261,12 +282,16 @@ def _ratio(name: str, values: list[float], reference: list[float], bar: float) -
     return Measure(name, *median_interval(ratios(values, reference)), bar)
 
 
-def measures(results: dict[str, Any], steps: int) -> dict[str, list[Measure]]:
+#: ctx.log's target: per call, against the reduction it does (its metrics and its step check).
+LOG_TARGET = "ctx.log - the reduction it does (the metrics and the step check by @all_reduced)"
+
+
+def measures(results: dict[str, Any]) -> dict[str, list[Measure]]:
     """Per target, its measures, from :func:`job`'s results."""
     big, small, watch, log = results["big"], results["small"], results["watch"], results["log"]
 
     def extra(clock: str) -> Measure:
-        found = per_step_us(log["ctx.log"][clock], log[LOG_ROWS[1]][clock], steps)
+        found = extra_us(log["ctx.log"][f"call {clock}"], log[LOG_ROWS[0]][f"call {clock}"])
         return Measure("wall" if clock == "wall" else "main-thread CPU", *found, 20.0, "us")
 
     return {
@@ -276,14 +301,11 @@ def measures(results: dict[str, Any], steps: int) -> dict[str, list[Measure]]:
         "32 scalar metrics: @all_reduced / raw all_reduce of the stacked buffer": [
             _ratio("wall", small["@all_reduced"], small["raw stacked"], 1.10)
         ],
-        "step timings + straggler watcher, on / off (per block of steps)": [
+        "step timings + straggler watcher, on / off (median step of each block)": [
             _ratio("wall", watch["on"]["wall"], watch["off"]["wall"], 1.01),
             _ratio("main-thread CPU", watch["on"]["cpu"], watch["off"]["cpu"], 1.01),
         ],
-        "ctx.log every step - the same metrics by @all_reduced (per step)": [
-            extra("wall"),
-            extra("cpu"),
-        ],
+        f"{LOG_TARGET}, per call": [extra("wall"), extra("cpu")],
     }
 
 
@@ -293,17 +315,14 @@ def table(results: dict[str, Any], mode: dict[str, int]) -> list[str]:
         "| target | bar | median [95% interval]: verdict, per measure | verdict |",
         "|---|---:|---|---|",
     ]
-    for target, found in measures(results, mode["steps"]).items():
+    for target, found in measures(results).items():
         bar = f"<= {found[0].bar:g}{' µs' if found[0].unit == 'us' else 'x'}"
         cells = "; ".join(f"{m.name} {m.cell()}: {m.verdict}" for m in found)
         lines.append(f"| {target} | {bar} | {cells} | **{verdict_of(found)}** |")
     big, small, watch, log = results["big"], results["small"], results["watch"], results["log"]
-    steps = mode["steps"]
 
     def between(row: str, reference: str, clock: str) -> str:
-        return Measure(
-            clock, *per_step_us(log[row][clock], log[reference][clock], steps), 0, "us"
-        ).cell()
+        return Measure(clock, *extra_us(log[row][clock], log[reference][clock]), 0, "us").cell()
 
     noise = _ratio("wall", watch["off, again"]["wall"], watch["off"]["wall"], 1.01)
     noise_cpu = _ratio("cpu", watch["off, again"]["cpu"], watch["off"]["cpu"], 1.01)
@@ -318,13 +337,18 @@ def table(results: dict[str, Any], mode: dict[str, int]) -> list[str]:
         f"32 metrics: raw {statistics.median(small['raw stacked']) * 1e3:.3f} ms, "
         f"`@all_reduced` {statistics.median(small['@all_reduced']) * 1e3:.3f} ms; "
         f"the watching rows' noise (`off, again` / `off`): {noise.cell()} by wall time, "
-        f"{noise_cpu.cell()} by CPU; a block is {mode['steps']} steps "
-        f"({statistics.median(watch['off']['wall']) / mode['steps'] * 1e6:.0f} µs a step off); "
-        f"of ctx.log's extra, its step check (the loss and the step's leaves by `@all_reduced` "
-        f"against the loss alone) is {between(LOG_ROWS[0], LOG_ROWS[1], 'wall')} a step by wall "
-        f"time, {between(LOG_ROWS[0], LOG_ROWS[1], 'cpu')} by CPU, and the rest (ctx.log "
-        f"against that reduction) {between('ctx.log', LOG_ROWS[0], 'wall')} by wall time, "
-        f"{between('ctx.log', LOG_ROWS[0], 'cpu')} by CPU.",
+        f"{noise_cpu.cell()} by CPU; a block is {mode['steps']} steps, its median step "
+        f"{statistics.median(watch['off']['wall']) * 1e6:.0f} µs off "
+        f"({statistics.median(watch['off']['cpu']) * 1e6:.0f} µs of CPU). "
+        f"`ctx.log`'s step check, one element more on the wire (the loss and the check by "
+        f"`@all_reduced` against the loss alone): "
+        f"{between(LOG_ROWS[0], LOG_ROWS[1], 'call wall')} a call by wall time, "
+        f"{between(LOG_ROWS[0], LOG_ROWS[1], 'call cpu')} by CPU; in a training step "
+        f"(median step of a block), `ctx.log` against the reduction it does "
+        f"{between('ctx.log', LOG_ROWS[0], 'wall')} by wall time, "
+        f"{between('ctx.log', LOG_ROWS[0], 'cpu')} by CPU, and against the loss alone "
+        f"{between('ctx.log', LOG_ROWS[1], 'wall')} by wall time, "
+        f"{between('ctx.log', LOG_ROWS[1], 'cpu')} by CPU.",
     ]
     return lines
 
