@@ -214,6 +214,79 @@ def watching(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]:
     return times
 
 
+def watching_in_place(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]:
+    """One ``distributed(timings=False, straggler=False)`` block whose passes are alternately
+    watched and not: the same model, loader and data, each pass's median step.
+
+    A watched pass runs with what ``distributed(timings=True, straggler=True)`` starts
+    (:class:`ddpctx.watch.faces.Watch`: the step clock's optimizer and backward hooks,
+    the model's forward hooks, the loader's timing and the straggler watcher's thread
+    publishing to the job's store), started before the pass and stopped after it.
+    Blocks of their own differ by several percent from one another (a fresh model,
+    DDP's buckets, where memory lands), more than the 1% bar; passes of one block
+    do not.
+    """
+    from torch.distributed import distributed_c10d
+
+    from benchmarks.workload import BATCH, FEATURES, loss_site, seeded_model, train_step
+    from ddpctx import distributed
+    from ddpctx.hang.inflight import Tracker
+    from ddpctx.watch.faces import Watch
+    from ddpctx.watch.straggler import StragglerSettings
+
+    times: dict[str, dict[str, list[float]]] = {r: {"wall": [], "cpu": []} for r in ("on", "off")}
+    with distributed(seed=0, **OFF) as ctx:  # type: ignore[arg-type]
+        model, optimizer = seeded_model(ctx)
+        site = loss_site()
+        count = (mode["steps"] + WARM_UP) * BATCH * ctx.world_size
+        loader = ctx.dataloader(
+            [(torch.randn(FEATURES), torch.randn(1)) for _ in range(count)], batch_size=BATCH
+        )
+        store = distributed_c10d._get_default_store()
+
+        def one_pass(watched: bool) -> tuple[float, float]:
+            watch = None
+            if watched:
+                watch = Watch(
+                    ctx.rank,
+                    ctx.world_size,
+                    None,
+                    [],
+                    True,
+                    StragglerSettings(),
+                    Tracker(),
+                    store=store,
+                )
+                assert watch.clock is not None
+                loader.timed = watch.clock.timed
+                watch.watch_model(model)
+            try:
+                ctx.barrier()
+                walls: list[float] = []
+                cpus: list[float] = []
+                wall, cpu = time.perf_counter(), time.thread_time()
+                for index, (x, y) in enumerate(loader):
+                    site(train_step(model, optimizer, x, y).detach())
+                    now, now_cpu = time.perf_counter(), time.thread_time()
+                    if index >= WARM_UP:
+                        walls.append(now - wall)
+                        cpus.append(now_cpu - cpu)
+                    wall, cpu = now, now_cpu
+                return statistics.median(walls), statistics.median(cpus)
+            finally:
+                loader.timed = None
+                if watch is not None:
+                    watch.stop()
+
+        for index in range(2 * mode["rounds"] + 1):  # round 0 warms up
+            for row in round_order(["on", "off"], index):
+                wall, cpu = one_pass(row == "on")
+                if index:
+                    times[row]["wall"].append(wall)
+                    times[row]["cpu"].append(cpu)
+    return times
+
+
 def logging(mode: dict[str, int], log_dir: str) -> dict[str, dict[str, list[float]]]:
     """Per row of :data:`LOG_ROWS`: each round's block, wall and CPU, in one distributed()."""
     from ddpctx import all_reduced, distributed
@@ -265,6 +338,7 @@ def job(mode_name: str, out: str) -> None:
     with distributed(seed=0) as ctx:
         results: dict[str, Any] = reductions(ctx, mode)
     results["watch"] = watching(mode)
+    results["watch in place"] = watching_in_place(mode)
     with tempfile.TemporaryDirectory() as log_dir:
         results["log"] = logging(mode, log_dir)
     if os.environ.get("RANK", "0") == "0":
@@ -288,7 +362,8 @@ LOG_TARGET = "ctx.log - the reduction it does (the metrics and the step check by
 
 def measures(results: dict[str, Any]) -> dict[str, list[Measure]]:
     """Per target, its measures, from :func:`job`'s results."""
-    big, small, watch, log = results["big"], results["small"], results["watch"], results["log"]
+    big, small, log = results["big"], results["small"], results["log"]
+    in_place = results["watch in place"]
 
     def extra(clock: str) -> Measure:
         found = extra_us(log["ctx.log"][f"call {clock}"], log[LOG_ROWS[0]][f"call {clock}"])
@@ -301,9 +376,9 @@ def measures(results: dict[str, Any]) -> dict[str, list[Measure]]:
         "32 scalar metrics: @all_reduced / raw all_reduce of the stacked buffer": [
             _ratio("wall", small["@all_reduced"], small["raw stacked"], 1.10)
         ],
-        "step timings + straggler watcher, on / off (median step of each block)": [
-            _ratio("wall", watch["on"]["wall"], watch["off"]["wall"], 1.01),
-            _ratio("main-thread CPU", watch["on"]["cpu"], watch["off"]["cpu"], 1.01),
+        "step timings + straggler watcher, on / off (passes of one block, median step)": [
+            _ratio("wall", in_place["on"]["wall"], in_place["off"]["wall"], 1.01),
+            _ratio("main-thread CPU", in_place["on"]["cpu"], in_place["off"]["cpu"], 1.01),
         ],
         f"{LOG_TARGET}, per call": [extra("wall"), extra("cpu")],
     }
@@ -326,6 +401,8 @@ def table(results: dict[str, Any], mode: dict[str, int]) -> list[str]:
 
     noise = _ratio("wall", watch["off, again"]["wall"], watch["off"]["wall"], 1.01)
     noise_cpu = _ratio("cpu", watch["off, again"]["cpu"], watch["off"]["cpu"], 1.01)
+    blocks = _ratio("wall", watch["on"]["wall"], watch["off"]["wall"], 1.01)
+    blocks_cpu = _ratio("cpu", watch["on"]["cpu"], watch["off"]["cpu"], 1.01)
     raw = _ratio("wall", big["@all_reduced"], big["raw in-place"], 1.0)
     hand = _ratio("wall", big["by hand"], big["raw in-place"], 1.0)
     lines += [
@@ -336,8 +413,11 @@ def table(results: dict[str, Any], mode: dict[str, int]) -> list[str]:
         f"`@all_reduced` {statistics.median(big['@all_reduced']) * 1e3:.2f} ms ({raw.cell()}); "
         f"32 metrics: raw {statistics.median(small['raw stacked']) * 1e3:.3f} ms, "
         f"`@all_reduced` {statistics.median(small['@all_reduced']) * 1e3:.3f} ms; "
-        f"the watching rows' noise (`off, again` / `off`): {noise.cell()} by wall time, "
-        f"{noise_cpu.cell()} by CPU; a block is {mode['steps']} steps, its median step "
+        f"watching in blocks of their own, as a user turns it on (`distributed(timings=True, "
+        f"straggler=True)` against both off): {blocks.cell()} by wall time, "
+        f"{blocks_cpu.cell()} by CPU, and two blocks both off (the noise): "
+        f"{noise.cell()} by wall time, "
+        f"{noise_cpu.cell()} by CPU; a block or pass is {mode['steps']} steps, its median step "
         f"{statistics.median(watch['off']['wall']) * 1e6:.0f} µs off "
         f"({statistics.median(watch['off']['cpu']) * 1e6:.0f} µs of CPU). "
         f"`ctx.log`'s step check, one element more on the wire (the loss and the check by "

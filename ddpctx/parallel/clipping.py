@@ -79,19 +79,8 @@ def _clip_across_meshes(
         whole = norm.full_tensor() if isinstance(norm, dtensor) else norm
         total += float(whole.double()) ** norm_type
     total = float(total ** (1.0 / norm_type))
-    if error_if_nonfinite and not math.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} of the gradients is {total}, so they cannot "
-            "be clipped. Pass error_if_nonfinite=False to clip anyway, or find the inf/NaN "
-            "gradient (e.g. torch.autograd.set_detect_anomaly(True))."
-        )
-    scale = min(1.0, max_norm / (total + 1e-6))
-    if scale < 1.0:
-        with torch.no_grad():
-            for grad in grads:
-                local = grad.to_local() if isinstance(grad, dtensor) else grad
-                local.mul_(scale)
-    return total
+    local = [grad.to_local() if isinstance(grad, dtensor) else grad for grad in grads]
+    return _scaled(local, total, max_norm, norm_type, error_if_nonfinite)
 
 
 def _clip_by_largest(grads: list[torch.Tensor], max_norm: float, error_if_nonfinite: bool) -> float:
@@ -113,15 +102,30 @@ def _clip_by_largest(grads: list[torch.Tensor], max_norm: float, error_if_nonfin
     for mesh in meshes.values():
         for dim in range(mesh.ndim):
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    total = float(peak)
+    return _scaled(local, float(peak), max_norm, math.inf, error_if_nonfinite)
+
+
+def _scaled(
+    local: list[torch.Tensor],
+    total: float,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+) -> float:
+    """Scale the local gradients by ``max_norm / total`` where that is below 1; ``total``.
+
+    A non-finite ``total`` is refused when ``error_if_nonfinite``, as torch's own does.
+    """
     if error_if_nonfinite and not math.isfinite(total):
+        order = "inf" if norm_type == math.inf else f"{norm_type:g}"
         raise RuntimeError(
-            f"The total norm of order inf of the gradients is {total}, so they cannot be "
-            "clipped. Pass error_if_nonfinite=False to clip anyway, or find the inf/NaN "
+            f"The total norm of order {order} of the gradients is {total}, so they cannot "
+            "be clipped. Pass error_if_nonfinite=False to clip anyway, or find the inf/NaN "
             "gradient (e.g. torch.autograd.set_detect_anomaly(True))."
         )
     scale = min(1.0, max_norm / (total + 1e-6))
     if scale < 1.0:
-        for tensor in local:
-            tensor.mul_(scale)
+        with torch.no_grad():
+            for tensor in local:
+                tensor.mul_(scale)
     return total
