@@ -177,18 +177,28 @@ def _block(ctx: Any, steps: int, metric: Callable[[torch.Tensor], object]) -> tu
 
     Each step is timed on its own and the block gives its medians: a step that
     met an interrupt, a collection or the other rank's page faults moves a
-    block's total but not its median, which is what lets a 1% bar resolve.
+    block's total but not its median.
     """
-    from benchmarks.workload import BATCH, FEATURES, seeded_model, train_step
+    from benchmarks.workload import BATCH, FEATURES, seeded_model
 
     model, optimizer = seeded_model(ctx)
     data = [(torch.randn(FEATURES), torch.randn(1)) for _ in range((steps + WARM_UP) * BATCH * 2)]
     loader = ctx.dataloader(data, batch_size=BATCH)
     ctx.barrier()
+    return _median_step(loader, model, optimizer, metric)
+
+
+def _median_step(
+    loader: Any, model: Any, optimizer: Any, metric: Callable[[torch.Tensor], object]
+) -> tuple[float, float]:
+    """A pass of training steps over ``loader``: the median step after the warm-up, wall and
+    main-thread CPU seconds (a step: from one batch's arrival to the next's)."""
+    from benchmarks.workload import train_step
+
     walls: list[float] = []
     cpus: list[float] = []
     wall, cpu = time.perf_counter(), time.thread_time()
-    for index, (x, y) in enumerate(loader):  # a step: from one batch's arrival to the next's
+    for index, (x, y) in enumerate(loader):
         metric(train_step(model, optimizer, x, y).detach())
         now, now_cpu = time.perf_counter(), time.thread_time()
         if index >= WARM_UP:
@@ -228,7 +238,7 @@ def watching_in_place(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]
     """
     from torch.distributed import distributed_c10d
 
-    from benchmarks.workload import BATCH, FEATURES, loss_site, seeded_model, train_step
+    from benchmarks.workload import BATCH, FEATURES, loss_site, seeded_model
     from ddpctx import distributed
     from ddpctx.hang.inflight import Tracker
     from ddpctx.watch.faces import Watch
@@ -262,17 +272,7 @@ def watching_in_place(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]
                 watch.watch_model(model)
             try:
                 ctx.barrier()
-                walls: list[float] = []
-                cpus: list[float] = []
-                wall, cpu = time.perf_counter(), time.thread_time()
-                for index, (x, y) in enumerate(loader):
-                    site(train_step(model, optimizer, x, y).detach())
-                    now, now_cpu = time.perf_counter(), time.thread_time()
-                    if index >= WARM_UP:
-                        walls.append(now - wall)
-                        cpus.append(now_cpu - cpu)
-                    wall, cpu = now, now_cpu
-                return statistics.median(walls), statistics.median(cpus)
+                return _median_step(loader, model, optimizer, site)
             finally:
                 loader.timed = None
                 if watch is not None:
