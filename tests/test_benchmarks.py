@@ -174,10 +174,16 @@ def _target_results(
     big: float, small: float, on: list[float], log_us: list[float]
 ) -> dict[str, Any]:
     """targets.py's results with hand-made times: ratios ``big``, ``small``; per-round
-    watching ratios ``on``; per-round ctx.log extras ``log_us`` (µs a step, 100 steps)."""
+    watching ratios ``on`` (passes of one block, and blocks of their own); per-round
+    ctx.log extras ``log_us`` (µs a call over the reduction it does)."""
     rounds = len(on)
-    logged = [0.1 + us * 1e-4 for us in log_us]
+    logged = [1e-3 + us * 1e-6 for us in log_us]
     block = [0.1] * rounds
+    calls = [1e-3] * rounds
+    watched = {
+        "off": {"wall": block, "cpu": block},
+        "on": {"wall": [0.1 * r for r in on], "cpu": [0.1 * r for r in on]},
+    }
     return {
         "big": {
             "@all_reduced": [big * 1e-3] * 9,
@@ -185,16 +191,13 @@ def _target_results(
             "raw in-place": [5e-4] * 9,
         },
         "small": {"@all_reduced": [small * 1e-3] * 9, "raw stacked": [1e-3] * 9},
-        "watch": {
-            "off": {"wall": block, "cpu": block},
-            "off, again": {"wall": block, "cpu": block},
-            "on": {"wall": [0.1 * r for r in on], "cpu": [0.1 * r for r in on]},
-        },
+        "watch": {**watched, "off, again": {"wall": block, "cpu": block}},
+        "watch in place": watched,
         "log": {
-            targets.LOG_ROWS[0]: {"wall": block, "cpu": block},
-            targets.LOG_ROWS[1]: {"wall": block, "cpu": block},
-            "ctx.log": {"wall": logged, "cpu": logged},
-        },
+            row: {"wall": block, "cpu": block, "call wall": calls, "call cpu": calls}
+            for row in targets.LOG_ROWS[:2]
+        }
+        | {"ctx.log": {"wall": block, "cpu": block, "call wall": logged, "call cpu": logged}},
     }
 
 
