@@ -30,11 +30,11 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ddpctx import distributed
+from ddpctx import current, distributed
 from ddpctx.watch import lanes
 from tests.helpers import REPO, child_env, patience, run_python
 
@@ -364,6 +364,10 @@ def log_different_steps() -> tuple[str, dict[str, Any]]:
     st.sampled_from([1, 2, 3, 4095, 4096, 2**14]),
     st.sampled_from(["mean", "max", "min"]),
 )
+# found by an outside attack: max/min carried the step as a float, equal past 2**53
+@example(2**62 + 5, [0, 0, 1], 3, "max")
+@example(2**53 + 4, [0, 1], 3, "min")
+@example(2**53 - 1, [0, 1], 2, "max")
 def test_the_step_check_tells_equal_steps_from_unequal_ones_at_every_size(
     step: int, offsets: list[int], world: int, op: str
 ) -> None:
@@ -382,6 +386,68 @@ def test_the_step_check_tells_equal_steps_from_unequal_ones_at_every_size(
         assert op != "mean" or reduced[key] == sum(int(leaf[key]) for leaf in leaves)
     decisions = {steps_agree(reduced, world, s) for s in steps}
     assert decisions == {len(set(steps)) == 1}, (steps, reduced)
+
+
+def refuse_on_one_rank(kind: str) -> tuple[str, str]:
+    ctx = current()
+    assert ctx is not None
+    bad = ctx.rank == 0
+    try:
+        if kind == "step":
+            ctx.log({"loss": 1.0}, step=-1 if bad else 4)
+        elif kind == "metric":
+            ctx.log({"loss": [1.0, 2.0] if bad else 1.0})
+        else:
+            ctx.log({"loss": 1.0, "timings/data_ms": 1.0} if bad else {"loss": 1.0}, timings=True)
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "returned", ""
+
+
+@pytest.mark.parametrize("kind", ["step", "metric", "timings"])
+def test_a_call_refused_on_one_rank_is_an_error_on_every_rank_at_once(
+    run_distributed: Any, kind: str
+) -> None:
+    # found by an outside attack: rank 0 refused step=-1 before the collective, and the
+    # others met gloo's "Connection closed by peer" when it left
+    started = time.monotonic()
+    results = run_distributed(refuse_on_one_rank, kind, world_size=3)
+    assert time.monotonic() - started < patience(30)
+    assert results[0][0] == "ValueError", results
+    for name, message in results[1:]:
+        assert name == "ReductionError", results
+        assert "rank 0" in message
+        assert "ValueError" in message
+
+
+def test_a_metric_with_an_empty_name_or_one_that_clashes_with_timings_is_refused() -> None:
+    with distributed(log_dir=tempfile.mkdtemp()) as ctx:
+        with pytest.raises(ValueError, match="empty name"):
+            ctx.log({"": 1.0})
+        with pytest.raises(ValueError, match="empty name"):
+            ctx.log({"val": {"": 1.0}})
+        with pytest.raises(ValueError, match="'timings/data_ms'"):
+            ctx.log({"timings/data_ms": 123.0}, timings=True)
+        assert ctx.log({"timings/data_ms": 123.0}) == {"timings/data_ms": 123.0}
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("base", [2**53 + 4, 2**62 + 5])
+def test_steps_past_2_to_the_53_differing_by_one_are_refused_under_max_and_min(
+    run_distributed: Any, op: str, base: int
+) -> None:
+    results = run_distributed(log_steps_apart, base, op, world_size=3)
+    for message in results:
+        assert f"rank 2: step {base + 1}" in message, message
+        assert f"rank 0: step {base}" in message
+
+
+def log_steps_apart(base: int, op: str) -> str:
+    ctx = current()
+    assert ctx is not None
+    with pytest.raises(ValueError, match=r"different step on different ranks") as refused:
+        ctx.log({"loss": 1.0}, step=base + (ctx.rank == 2), op=op)
+    return str(refused.value)
 
 
 def test_different_steps_on_different_ranks_are_an_error_on_every_rank_naming_each(
@@ -414,7 +480,7 @@ def test_every_rank_refuses_a_log_dir_rank_zero_cannot_write(tmp_path: Path) -> 
 #: Refuses a read-only ``log_dir`` in a child: ``python -c REFUSE_READ_ONLY FOLDER``.
 REFUSE_READ_ONLY = """
 import sys
-from ddpctx import distributed
+from ddpctx import current, distributed
 try:
     distributed(log_dir=sys.argv[1]).__enter__()
 except ValueError as error:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpctx.hang.inflight import Tracker
-from ddpctx.reduce.collectives import Site, all_reduce_tree, check_op
+from ddpctx.reduce.collectives import Site, all_reduce_tree, check_op, report_failure
 from ddpctx.reduce.objects import all_gather_objects
 from ddpctx.reduce.packing import OpSpec
 from ddpctx.utils.warn import warn_user
@@ -47,10 +47,15 @@ def with_timings(
     >>> sorted(metrics["timings"])[-1], op
     ('step_ms', {'loss': 'sum', 'timings': 'mean', 'ddpctx_measured_steps': 'max'})
     """
-    if "timings" in metrics:
+    clash = next(
+        (k for k in metrics if k == "timings" or (isinstance(k, str) and k.startswith("timings/"))),
+        None,
+    )
+    if clash is not None:  # "timings/data_ms" would name the same column as the timings' own
         raise ValueError(
-            f"ctx.log(..., timings=True) adds the key 'timings', but the metrics already hold "
-            f"one ({metrics['timings']!r}). Rename that metric, or log without timings=True."
+            f"ctx.log(..., timings=True) adds the key 'timings' (written as 'timings/data_ms', "
+            f"...), but the metrics already hold {clash!r} ({metrics[clash]!r}). Rename that "
+            "metric, or log without timings=True."
         )
     ops = dict(op) if isinstance(op, Mapping) else {key: op for key in metrics}
     ops.update(timings="mean", **{MEASURED: "max"})
@@ -102,8 +107,9 @@ def with_step(
         )
     kind = op if isinstance(op, str) and op in ("max", "min") else "sum"
     leaves: dict[str, Any]
-    if kind != "sum":
-        leaves = {"s": float(step), "s2": -float(step)}
+    if kind != "sum":  # exact as floats below 2**53; beyond, as ints (an int64 wire)
+        exact = -(2**53) < step < 2**53
+        leaves = {"s": float(step), "s2": -float(step)} if exact else {"s": step, "s2": -step}
     else:
         leaves = {"h": float(step_hash(step, world_size))}
     ops = dict(op) if isinstance(op, Mapping) else {key: op for key in metrics}
@@ -282,19 +288,24 @@ class WatchFaces:
         ...     ctx.log({"loss": 0.5, "count": 4}, weight="count")
         {'loss': 0.5, 'count': 4}
         """
-        check_op(op)
-        watch = self._watch
-        trail = watch.trail if watch is not None else None
-        number = trail.next_step(step) if trail is not None else step
-        check_scalars(metrics)
-        if timings:
-            metrics, op = with_timings(metrics, op, self._own_timings())
-        checked = trail is not None and number is not None and self.world_size > 1
-        if checked:
-            metrics, op = with_step(metrics, op, number, self.world_size)  # type: ignore[arg-type]
         caller = sys._getframe(1)
         key = f"log:{caller.f_code.co_filename}:{caller.f_lineno}"
         site = self._sites.get(key) or self._sites.setdefault(key, Site(f"ctx.log at {key[4:]}"))
+        watch = self._watch
+        trail = watch.trail if watch is not None else None
+        try:  # refused here, on this rank only: the others hear of it in the reduction
+            check_op(op)
+            number = trail.next_step(step) if trail is not None else step
+            check_scalars(metrics)
+            if timings:
+                metrics, op = with_timings(metrics, op, self._own_timings())
+            checked = trail is not None and number is not None and self.world_size > 1
+            if checked:
+                metrics, op = with_step(metrics, op, number, self.world_size)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as error:
+            if self.world_size > 1:
+                report_failure(error, site)
+            raise
         reduced: dict[str, Any] = all_reduce_tree(dict(metrics), op, weight, site=site)
         if checked and not steps_agree(take_step(reduced), self.world_size, number):  # type: ignore[arg-type]
             everyone = all_gather_objects(number)  # every rank saw the disagreement

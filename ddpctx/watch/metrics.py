@@ -55,11 +55,15 @@ def check_scalars(values: Mapping[str, Any]) -> None:
         )
     if not any(isinstance(value, Mapping) for value in values.values()):
         for key, value in values.items():  # flat: no two keys can name one metric
+            if key == "":
+                _unnamed(("",))
             if not _one_number(value):
                 _refuse(str(key), value)
         return
     seen: dict[str, tuple[Any, ...]] = {}
     for keys, value in _leaves(values, ()):
+        if "" in keys:
+            _unnamed(keys)
         name = "/".join(map(str, keys))
         if not _one_number(value):
             _refuse(name, value)
@@ -76,6 +80,13 @@ def _one_number(value: Any) -> bool:
     return type(value) is float or (
         isinstance(value, (bool, int, float, np.number))
         or (hasattr(value, "shape") and math.prod(getattr(value, "shape", ())) == 1)
+    )
+
+
+def _unnamed(keys: tuple[Any, ...]) -> None:
+    raise ValueError(
+        f"ctx.log: the metric at {_path(keys)} has an empty name, which no logger can show "
+        "(metrics.csv would get a column without a header). Give it a name."
     )
 
 
