@@ -273,7 +273,7 @@ def test_timings_are_left_out_until_measured_and_averaged_whatever_the_op(
 
 
 def test_a_metric_named_timings_beside_timings_true_is_refused_naming_it() -> None:
-    with distributed() as ctx, pytest.raises(ValueError, match=r"already hold one \(3\)"):
+    with distributed() as ctx, pytest.raises(ValueError, match=r"already hold 'timings' \(3\)"):
         ctx.log({"timings": 3}, timings=True)
 
 
