@@ -493,3 +493,19 @@ def test_on_cuda_compute_is_the_gpus_time_not_what_the_host_queued() -> None:
     assert len(steps) == 6  # every step read, once its event completed
     assert steps[0].compute < 0.01  # the first step has no earlier event: host time
     assert all(abs(step.compute - 0.05) < 0.01 for step in steps[1:])
+
+
+def test_the_step_clocks_forward_hooks_are_plain_and_come_off_when_a_loader_pass_begins() -> None:
+    """DDP loads dynamo, and every model's hooks went through torch.compiler.disable
+    (~25 us a call); and once ctx.dataloader begins steps, forward hooks measure nothing."""
+    with distributed(timings=True) as ctx:
+        model = ctx.wrap(nn.Linear(4, 1))
+        hooks = list(model._forward_pre_hooks.values()) + list(model._forward_hooks.values())
+        assert len(hooks) == 2
+        assert not any(hasattr(hook, "_torchdynamo_disable") for hook in hooks)
+        assert all(getattr(hook, "__module__", "") == "ddpctx.watch.clock" for hook in hooks)
+        for (x,) in ctx.dataloader([(torch.ones(4),)] * 4, batch_size=2):
+            assert not model._forward_pre_hooks
+            assert not model._forward_hooks
+            model(x)
+        assert ctx.timings()[0].steps == 2
