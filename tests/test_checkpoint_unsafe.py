@@ -4,7 +4,8 @@ The payloads are real: an object whose unpickling runs ``os.system("touch
 MARKER")``, put where a tampered checkpoint would carry it -- DCP's
 ``.metadata`` (which torch's own reader unpickles with ``pickle.load``), a
 sharded checkpoint's ``ddpctx.pt``, a DDP ``.pt``, and a non-tensor entry of
-a shard (which DCP's planner loads with ``weights_only=False``) -- with the
+a shard (which DCP's planner loads with ``weights_only=False``), a tensor
+entry (which ddpctx builds on the mapped shard's bytes) -- with the
 checksum manifest removed, or forged to match (anyone can recompute a CRC).
 Every reader -- ``checkpoint_meta``, ``load_weights``, ``python -m ddpctx
 export`` (``.pt`` and ``--safetensors``), ``ctx.load_checkpoint`` on one
@@ -38,7 +39,7 @@ from ddpctx.cli import main as cli
 from tests.helpers import REPO, child_env, patience
 
 pytestmark = pytest.mark.timeout(120)  # each test (a 2-rank load is about a second)
-KINDS = ["ddp-pt", "dcp-metadata", "dcp-state", "dcp-entry"]
+KINDS = ["ddp-pt", "dcp-metadata", "dcp-state", "dcp-entry", "dcp-tensor"]
 #: The file of the newest checkpoint each kind of payload is put in ("" : the .pt itself).
 CARRIER = {"ddp-pt": "", "dcp-metadata": ".metadata", "dcp-state": "ddpctx.pt"}
 NO_OPTIMIZER = ("checkpoint_meta", "export-pt", "export-safetensors")  # readers of the model only
@@ -140,8 +141,10 @@ def tamper(folder: Path, kind: str, marker: Path, manifest: bool) -> Path:
         carrier = checkpoint / ".metadata"
         metadata.storage_meta.modules.append(RunsCode(marker))
         carrier.write_bytes(pickle.dumps(metadata))
-    else:  # an optimizer's non-tensor entry (its learning rate), pointed at a pickled payload
-        index = next(i for i in metadata.storage_data if i.fqn.endswith("param_groups.0.lr"))
+    else:  # an optimizer's non-tensor entry (its learning rate), or a weight (a tensor entry,
+        # read in place from the mapped shard), pointed at a pickled payload
+        wanted = "param_groups.0.lr" if kind == "dcp-entry" else "0.weight"
+        index = next(i for i in metadata.storage_data if i.fqn.endswith(wanted))
         info = metadata.storage_data[index]
         carrier = checkpoint / info.relative_path
         blob = io.BytesIO()
@@ -199,12 +202,10 @@ def read(reader: str, folder: Path, shard: bool, run_distributed: Any, capsys: A
 def cases() -> Iterator[Any]:
     for kind in KINDS:
         for reader in READERS:
-            if kind == "dcp-entry" and reader in (
-                "checkpoint_meta",
-                "export-pt",
-                "export-safetensors",
-            ):
+            if kind == "dcp-entry" and reader in NO_OPTIMIZER:
                 continue  # they read no optimizer entry: the payload is never read
+            if kind == "dcp-tensor" and reader == "checkpoint_meta":
+                continue  # it reads no weight
             for manifest in (True, False):
                 ids = f"{kind}-{reader}-{'forged' if manifest else 'no'}-manifest"
                 yield pytest.param(kind, reader, manifest, id=ids)

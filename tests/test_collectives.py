@@ -24,6 +24,7 @@ from ddpctx import (
     rank_zero_only,
 )
 from ddpctx.rankzero.outcome import Outcome, Place, share
+from ddpctx.reduce.objects import all_gather_rare
 from tests.helpers import Reductions, patience
 
 RANKS = pytest.mark.distributed(world_size=[2, 3], timeout=60)
@@ -377,6 +378,24 @@ def test_broadcast_and_all_gather_take_objects_of_any_size(dist_ctx: DistContext
     assert sent["from"] == n - 1
     assert sent["tensor"].tolist() == [0, 1, 2]
     assert sent["tensor"].device == torch.device("cpu")
+
+
+@RANKS
+def test_a_rare_gather_is_one_element_when_no_rank_sends_and_a_gather_when_one_does(
+    dist_ctx: DistContext,
+) -> None:
+    # What the ranks say of a checkpoint they read (nearly always nothing): one
+    # 1-element vote, and the objects gathered only when some rank has one.
+    n, rank = dist_ctx.world_size, dist_ctx.rank
+    for sender in [None, *range(n)]:
+        mine = {"rank": rank, "file": "x" * rank} if rank == sender else None
+        with Reductions() as counted:
+            everyone = all_gather_rare(mine)
+        assert everyone == [{"rank": r, "file": "x" * r} if r == sender else None for r in range(n)]
+        if sender is None and n > 1:
+            assert counted.sizes == [1]  # one vote; no object gather
+    both = all_gather_rare({"rank": rank})  # every rank sends
+    assert both == [{"rank": r} for r in range(n)]
 
 
 @RANKS

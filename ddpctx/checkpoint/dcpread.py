@@ -21,7 +21,9 @@ recompute a CRC. So ddpctx never lets DCP unpickle a checkpoint file:
   its own ``read_data``: each entry's bytes are read once, their checksum
   compared with the manifest's record of that entry (a rank verifies exactly
   the bytes it reads, while reading them), then loaded with
-  ``weights_only=True``: a tensor as DCP does, a non-tensor entry only if
+  ``weights_only=True``: a tensor built on those mapped bytes themselves (as
+  ``torch.load(mmap=True)`` builds a file's), so its one copy is the one into
+  the model -- DCP's reader makes two -- and a non-tensor entry only if
   ``weights_only`` admits it (it reaches DCP's planner re-serialised from
   plain values). A damaged entry raises
   :class:`~ddpctx.checkpoint.sums.Damaged`, which DCP's read step reports
@@ -58,6 +60,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from ddpctx.checkpoint.entries import in_place_tensor, refused, weights_only_value
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.mapped import View, entry_bytes
 from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
@@ -116,16 +119,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise _Unsafe(f"persistent id {pid!r:.60}")
-
-
-def refused(path: Path, what: str) -> RefusedCheckpoint:
-    """The error for a checkpoint file that would run code (or read outside its directory)."""
-    return RefusedCheckpoint(
-        f"{str(path)!r} was refused as unsafe: it holds {what}. No checkpoint ddpctx writes "
-        "holds that, so it was not loaded; nor was it skipped, since loading an older "
-        "checkpoint instead would hide the tampering. Delete the checkpoint or restore it from "
-        "a copy you trust; do not load it elsewhere with pickle or torch.load(weights_only=False)."
-    )
 
 
 def read_metadata(path: Path, recorded: Recorded | None) -> Any:
@@ -193,24 +186,6 @@ def cause_of(error: BaseException) -> Damaged | RefusedCheckpoint | None:
         if isinstance(cause, (Damaged, RefusedCheckpoint)):
             return cause
     return None
-
-
-def _weights_only(data: IO[bytes], path: Path, entry: str) -> Any:
-    """``torch.load(weights_only=True)`` of one entry; refused or unreadable, said so."""
-    try:
-        return torch.load(data, map_location="cpu", weights_only=True)
-    except Exception as error:
-        if "Weights only load failed" in str(error):
-            reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
-            raise refused(
-                path,
-                f"pickled code in its entry {entry!r} ({reason}), which DCP's loader would run",
-            ) from None
-        raise Damaged(
-            str(path),
-            f"{path.name!r}: its entry {entry!r} cannot be read ({type(error).__name__}: "
-            f"{str(error)[:200]})",
-        ) from None
 
 
 def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -336,11 +311,15 @@ class Reader(FileSystemReader):
         entry = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             plain = io.BytesIO()
-            torch.save(_weights_only(stream, path, entry), plain)  # DCP unpickles it unrestricted
+            value = weights_only_value(stream, path, entry)
+            torch.save(value, plain)  # DCP would unpickle it unrestricted
             plain.seek(0)
             planner.load_bytes(item, plain)
             return
-        tensor = _narrow(_weights_only(stream, path, entry), item.storage_offsets, item.lengths)
+        loaded = None if descriptors else in_place_tensor(data, info.offset, path, entry)
+        if loaded is None:
+            loaded = weights_only_value(stream, path, entry)
+        tensor = _narrow(loaded, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Which checkpoint every rank loads: each rank verifies what it reads, one gather decides.
+"""Which checkpoint every rank loads: each rank verifies what it reads, one small vote decides.
 
 Every rank reads a checkpoint from its own view of the file system -- another
 host's disk, another node's cache of a shared one -- so a copy damaged on
@@ -8,9 +8,10 @@ checkpoint from the newest:
 1. every rank reads the files it needs itself and verifies them as it
    reads them (:mod:`ddpctx.checkpoint.sums`); no rank reads another
    rank's files only to verify them;
-2. the ranks exchange what they found in **one small all-gather** (a
-   :class:`Finding` or None each): a damaged or torn file on any rank makes
-   every rank skip the checkpoint together and try the next older one --
+2. the ranks exchange what they found in **one 1-element collective**
+   (then a gather of the :class:`Finding` s, only when some rank found
+   one): a damaged or torn file on any rank makes every rank skip the
+   checkpoint together and try the next older one --
    rank 0 warns naming the file and the rank that found it, and that rank
    warns too; a file refused as unsafe on any rank (pickled code) is an
    error on every rank, never a silent skip.
@@ -36,7 +37,7 @@ from typing import TypeVar
 
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.sums import Damaged, Torn, damaged_warning, remember_damaged
-from ddpctx.reduce.objects import all_gather_objects
+from ddpctx.reduce.objects import all_gather_rare
 from ddpctx.utils.identity import Place
 from ddpctx.utils.warn import warn_user
 
@@ -93,8 +94,11 @@ def read_together(
 
 
 def agree(place: Place, mine: Finding | None) -> dict[int, Finding]:
-    """Every rank's finding, rank -> finding, for the ranks that found one (one all-gather)."""
-    everyone = [mine] if place.world_size == 1 else all_gather_objects(mine)
+    """Every rank's finding, rank -> finding, for the ranks that found one.
+
+    One 1-element collective when no rank found anything; a gather after it otherwise.
+    """
+    everyone = [mine] if place.world_size == 1 else all_gather_rare(mine)
     return {rank: found for rank, found in enumerate(everyone) if found is not None}
 
 
