@@ -7,7 +7,9 @@ into the checksum of the current *segment*. DCP asks the stream's position
 two ``tell`` calls is exactly one entry: its checksum is that entry's part
 in the manifest (:mod:`ddpctx.checkpoint.sums`). The entries cover the
 shard end to end, so the shard is recorded as its parts, each byte hashed
-once, and no shard is read back to checksum it.
+once, and no shard is read back to checksum it. Those hashes being what a
+load verifies, ``torch.save`` skips its zip records' CRC-32 meanwhile
+(:func:`~ddpctx.utils.atomic.without_zip_crc`; ``torch.load`` never checks it).
 :class:`Hashed` is what a file's stream recorded.
 
 Errors: DCP writes each rank's shards with ``torch.save`` into a Python file. When
@@ -44,6 +46,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ddpctx.utils.atomic import without_zip_crc
 from ddpctx.utils.digest import Hasher, chosen, hasher
 
 
@@ -160,7 +163,8 @@ class Writer(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
-            future = super().write_data(plan, planner)
+            with without_zip_crc():  # the manifest's hashes, taken here, are what loads check
+                future = super().write_data(plan, planner)
         except BaseException as error:
             self._raise_recorded(error)
             raise
