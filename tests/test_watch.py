@@ -10,6 +10,7 @@ The metrics trail is checked after a real SIGKILL and ``torchrun --max-restarts=
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -509,3 +510,101 @@ def test_the_step_clocks_forward_hooks_are_plain_and_come_off_when_a_loader_pass
             assert not model._forward_hooks
             model(x)
         assert ctx.timings()[0].steps == 2
+
+
+def test_the_span_hooks_come_off_when_a_loader_pass_begins_and_steps_still_end_at_step() -> None:
+    # backward() and the optimizer's pre-step hook time spans only a loop of its own batches
+    # uses: ~3 us each a step, gone once ctx.dataloader batches begin steps.
+    from torch.optim import optimizer as optim_module
+
+    def clocks_backward() -> bool:
+        code = getattr(torch.autograd.backward, "__code__", None)
+        return code is not None and code.co_filename.endswith(os.path.join("watch", "clock.py"))
+
+    with distributed(timings=True) as ctx:
+        model = ctx.wrap(nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert clocks_backward()  # on: a loop of its own batches times its spans
+        pre_hooks = len(optim_module._global_optimizer_pre_hooks)
+        post_hooks = len(optim_module._global_optimizer_post_hooks)
+        for (x,) in ctx.dataloader([(torch.ones(4),)] * 8, batch_size=2):
+            assert not clocks_backward()
+            assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks - 1
+            assert len(optim_module._global_optimizer_post_hooks) == post_hooks  # ends steps
+            model(x).sum().backward()
+            opt.step()
+        assert ctx.timings()[0].steps == 4  # from the first batch, one per optimizer step
+    assert not clocks_backward()
+    assert len(optim_module._global_optimizer_post_hooks) == post_hooks - 1
+
+
+class _Schedstat:
+    """A schedstat file whose run-queue delay (2nd field, ns) the test sets."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.delay_ns = path, 0
+        self.write()
+
+    def grow(self, ns: int) -> None:
+        self.delay_ns += ns
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(f"123 {self.delay_ns:020d} 7\n")  # one length: pread sees it all
+
+
+@given(
+    grown=st.lists(st.integers(0, 10**7), min_size=1, max_size=30),
+    every=st.sampled_from([0.0, 10.0]),
+    gap=st.integers(0, 10**8),
+)
+def test_the_wait_for_a_cpu_is_shared_by_the_steps_it_fell_in_never_the_gaps(
+    tmp_path_factory: pytest.TempPathFactory, grown: list[int], every: float, gap: int
+) -> None:
+    # Read every step (every=0) or once at the pass's end (every=10 s): each step's wait for
+    # a CPU is its own, or an even share of the pass's; their sum is the growth during the
+    # steps either way, and a gap before the pass (another pass, evaluation) is in none.
+    import ddpctx.watch.clock as clock_module
+
+    stat = _Schedstat(tmp_path_factory.mktemp("stat") / "schedstat")
+    clock = StepClock(window=100, schedstat=str(stat.path))
+    saved = clock_module.SCHEDSTAT_EVERY_S
+    clock_module.SCHEDSTAT_EVERY_S = every
+    try:
+        stat.grow(gap)  # before the pass: no step's
+        for index in clock.timed(iter(range(len(grown)))):
+            stat.grow(grown[index])  # during step `index` (the last ends with the pass)
+        steps = clock.recent()
+    finally:
+        clock_module.SCHEDSTAT_EVERY_S = saved
+    assert len(steps) == len(grown)
+    assert abs(sum(step.starved for step in steps) - sum(grown) / 1e9) < 1e-9
+    if every == 0.0:
+        assert [round(step.starved * 1e9) for step in steps] == grown
+    else:
+        assert len({round(step.starved * 1e12) for step in steps}) == 1  # shared evenly
+
+
+def test_the_clock_reads_the_wait_for_a_cpu_at_most_every_ten_milliseconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file costs ~6 us a read in a training loop: read each step, it was a third of
+    # the clock's cost.
+    import ddpctx.watch.clock as clock_module
+
+    stat = _Schedstat(tmp_path / "schedstat")
+    reads = []
+    original = os.pread
+
+    def counted(*args: Any) -> bytes:
+        reads.append(time.monotonic())
+        return original(*args)
+
+    monkeypatch.setattr(clock_module.os, "pread", counted)
+    clock = StepClock(window=5000, schedstat=str(stat.path))
+    started = time.monotonic()
+    for _ in clock.timed(iter(range(3000))):
+        pass
+    took = time.monotonic() - started
+    assert clock.count == 3000  # a pass's last step ends when its iterator is exhausted
+    assert len(reads) <= took / clock_module.SCHEDSTAT_EVERY_S + 3, (len(reads), took)

@@ -33,10 +33,20 @@ Each step is split into three phases:
 - **compute**: with ``ctx.dataloader``, the rest; without, forward + backward
   + optimizer step, less their collective waits.
 
+Those spans (forward, backward, optimizer step) are timed by hooks only until
+the first ``ctx.dataloader`` pass begins: from then on its hand-overs are the
+data phase, and the hooks, which would time nothing used, come off (a few
+microseconds each a step). A loop of its own batches after that has its whole
+step, less collective waits, as compute.
+
 Each step also records the main thread's wait for a CPU (the run-queue delay
 of ``/proc/thread-self/schedstat``; 0 where the kernel does not say): a
 rank whose steps stretch because other processes hold the CPU is *starved*,
-not slow (:mod:`ddpctx.watch.straggler`).
+not slow (:mod:`ddpctx.watch.straggler`). That file costs ~6 us a read in a
+training loop (more than the rest of the clock's step together), so it is read
+at most every :data:`SCHEDSTAT_EVERY_S` (and when a pass ends or a step begins
+after a gap), and the delay since the last read is shared evenly by the steps
+closed meanwhile: a step's wait for a CPU is the average over its ~10 ms.
 
 Durations only, from ``time.monotonic`` on each host, so clocks of different
 hosts never meet. On CUDA the host returns before the GPU has run the work:
@@ -86,6 +96,9 @@ PHASES = ("data", "compute", "collective")
 
 #: Where the kernel says how long this thread waited for a CPU (second field, nanoseconds).
 SCHEDSTAT = "/proc/thread-self/schedstat"
+
+#: Seconds between reads of :data:`SCHEDSTAT` while steps follow one another.
+SCHEDSTAT_EVERY_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -143,13 +156,12 @@ class PhaseTimes:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class _Open:
     """The step being measured: when it began and what it has gathered so far."""
 
     start: float
     waited: float  # the tracker's wait total at the start
-    starved: float  # the run-queue delay at the start
     loader: float = 0.0  # seconds ``ctx.dataloader`` took to hand batches over
     fed: bool = False  # a ``ctx.dataloader`` batch was handed over in this step
     work: float = 0.0  # seconds in forward, backward and optimizer step
@@ -177,7 +189,7 @@ class StepClock:
         self._cuda = cuda
         #: Makes the events that close steps on CUDA (default: ``torch.cuda.Event``).
         self.event_factory = event_factory
-        self._gpu: deque[tuple[Any, Any, float, float, float, float]] = deque()
+        self._gpu: deque[tuple[Any, Any, float, float, float]] = deque()
         self._last_event: Any = None  # the CUDA event that closed the previous step
         self.opened = 0  # steps begun since the block began
         #: Called with a step's number (from 0) as it begins: ``ctx.profile`` starts and stops.
@@ -194,8 +206,11 @@ class StepClock:
         self._main = threading.get_ident()
         self._schedstat: int | None = None
         if schedstat is not None and threading.get_ident() == self._main:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # the main thread's file, whoever reads it
                 self._schedstat = os.open(schedstat, os.O_RDONLY)
+        self._delay = 0.0  # the run-queue delay at the last read
+        self._read_at = -SCHEDSTAT_EVERY_S  # when (monotonic) it was read
+        self._unsettled = 0  # steps kept since, their wait for a CPU not yet given
         self._undo: list[Callable[[], None]] = []
 
     # -- what the clock is told ------------------------------------------------------------
@@ -206,18 +221,18 @@ class StepClock:
         monotonic = time.monotonic
         if not self.fed:
             self.fed = True
-            self.close()  # from now on forwards begin no step: their hooks have nothing to do
+            self.close()  # from now on forward, backward and optimizer spans go unused:
+            # the loader's hand-overs are the data phase; their hooks come off (~3 us each)
         try:
             while True:
                 start = monotonic()
-                if not self.by_optimizer:
-                    self._close(start)  # asking for the next batch ends the step
-                try:
+                closed = self._close(start) if not self.by_optimizer else None
+                try:  # asking for the next batch ended the step (with no optimizer)
                     batch = next(iterator)
                 except StopIteration:
                     return
                 if not self.by_optimizer or self._open is None:
-                    self._begin(start)
+                    self._begin(start, closed)
                 opened = self._open
                 if opened is not None:
                     opened.loader += monotonic() - start
@@ -226,18 +241,21 @@ class StepClock:
         finally:
             self._open = None  # a pass ended or left early: its open step is not a step
             self._last_event = None  # nor is the gap to the next pass
+            self._settle(monotonic())  # the steps' wait for a CPU, not the gap's
 
     def enter(self) -> None:
         """A forward, backward or optimizer step begins (main thread only)."""
         if threading.get_ident() != self._main:
             return
+        self.worked = True
+        if self._depth == 0 and (opened := self._open) is not None and opened.fed:
+            return  # a ctx.dataloader step's phases need no span (and leave() sees depth 0)
         self._depth += 1
         if self._depth == 1:
             now = time.monotonic()
             if self._open is None and not self.fed:  # a loop of its own batches
                 self._begin(now)
             self._span = (now, self._waited())
-        self.worked = True
 
     def leave(self) -> None:
         """The span :meth:`enter` began ends."""
@@ -250,13 +268,18 @@ class StepClock:
             opened.work += time.monotonic() - start
             opened.work_wait += self._waited() - waited
 
-    def optimizer_stepped(self) -> None:
-        """An ``optimizer.step()`` ended: the step ends here and the next begins."""
+    def optimizer_stepped(self, leaving: bool = False) -> None:
+        """An ``optimizer.step()`` ended: the step ends here and the next begins.
+
+        ``leaving``: the step's span ends too (:meth:`leave` first; one call per step).
+        """
         if threading.get_ident() != self._main:
             return
+        if leaving and self._depth:
+            self.leave()
         now = time.monotonic()
         self.by_optimizer = True
-        self._begin(now, *self._close(now))  # one read of the counters for both
+        self._begin(now, self._close(now))  # one read of the counters for both
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -271,8 +294,7 @@ class StepClock:
             self.enter()
 
         def post(*_: Any) -> None:
-            self.leave()
-            self.optimizer_stepped()
+            self.optimizer_stepped(leaving=True)
 
         handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         original = torch.autograd.backward
@@ -286,6 +308,13 @@ class StepClock:
                 self.leave()
 
         torch.autograd.backward = backward
+
+        def spans_off() -> None:  # the spans' hooks, once ctx.dataloader batches begin steps
+            handles[0].remove()
+            if torch.autograd.backward is backward:
+                torch.autograd.backward = original
+
+        self._undo.append(spans_off)
 
         def undo() -> None:
             for handle in handles:
@@ -330,7 +359,9 @@ class StepClock:
         self._undo.extend(handle.remove for handle in handles)
 
     def close(self) -> None:
-        """Take the hooks off the models :meth:`watch_model` was given."""
+        """Take the hooks off the models :meth:`watch_model` was given, and the span hooks
+        (``backward`` and the optimizer's pre-step) off torch; the optimizer's post-step
+        hook, which ends steps, stays until :meth:`install`'s undo."""
         undo, self._undo = self._undo, []
         for remove in undo:
             remove()
@@ -341,34 +372,55 @@ class StepClock:
         tracker = self.tracker
         return tracker.wait_total if tracker is not None else 0.0
 
-    def _run_delay(self) -> float:
-        """Seconds this (the main) thread has waited for a CPU so far; 0 where unknown."""
+    def _run_delay(self) -> float | None:
+        """Seconds the main thread has waited for a CPU so far; None where unknown."""
         fd = self._schedstat
         if fd is None:
-            return 0.0
+            return None
         try:
             return int(os.pread(fd, 64, 0).split()[1]) / 1e9
         except (OSError, IndexError, ValueError):
-            return 0.0
+            return None
 
-    def _begin(self, now: float, waited: float | None = None, delay: float | None = None) -> None:
-        """A step begins at ``now`` (``waited``, ``delay``: the counters, when just read)."""
-        if waited is None or delay is None:
-            waited, delay = self._waited(), self._run_delay()
-        self._open = _Open(now, waited, delay)
+    def _settle(self, now: float) -> None:
+        """Read the run-queue delay; the steps kept since the last read share what it grew by.
+
+        Any thread may call it (the file is the main thread's); with none kept since,
+        the growth (a gap between passes) belongs to no step.
+        """
+        if self._schedstat is None:
+            return
+        with self._lock:
+            delay = self._run_delay()
+            if delay is None:
+                return
+            grown, self._delay, self._read_at = max(0.0, delay - self._delay), delay, now
+            count, self._unsettled = min(self._unsettled, len(self._steps)), 0
+            steps = self._steps
+            for index in range(len(steps) - count, len(steps)):
+                data, host, collective, _ = steps[index]
+                steps[index] = (data, host, collective, grown / count)
+
+    def _begin(self, now: float, waited: float | None = None) -> None:
+        """A step begins at ``now``; ``waited``: the tracker's total, when the step before it
+        just ended (None: after a gap, whose wait for a CPU belongs to no step)."""
+        if waited is None:
+            waited = self._waited()
+            self._settle(now)
+        self._open = _Open(now, waited)
         for listener in self.listeners:
             listener(self.opened)
         self.opened += 1
 
-    def _close(self, now: float) -> tuple[float | None, float | None]:
-        """The open step ends at ``now``; returns the counters it read (None: none open)."""
+    def _close(self, now: float) -> float | None:
+        """The open step ends at ``now``; returns the tracker's total it read (None: none open)."""
         opened = self._open
         if opened is None:
-            return None, None
+            return None
         self._open = None
-        waited, delay = self._waited(), self._run_delay()
+        tracker = self.tracker
+        waited = tracker.wait_total if tracker is not None else 0.0
         collective = max(0.0, waited - opened.waited)
-        starved = max(0.0, delay - opened.starved)
         total = now - opened.start
         if opened.fed or not opened.work:
             data = opened.loader
@@ -377,18 +429,22 @@ class StepClock:
             host = max(0.0, opened.work - opened.work_wait)
             data = max(0.0, total - collective - host)
         if self._cuda:
-            self._close_on_gpu(data, collective, host, starved)
+            self._close_on_gpu(data, collective, host)
         else:
-            self._add((data, host, collective, starved))
-        return waited, delay
+            self._add((data, host, collective, 0.0))
+        if now - self._read_at >= SCHEDSTAT_EVERY_S:
+            self._settle(now)
+        return waited
 
     def _add(self, step: tuple[float, float, float, float]) -> None:
-        """A closed step's phases, kept as a tuple (a :class:`StepTime` is made when read)."""
+        """A closed step's phases, kept as a tuple (a :class:`StepTime` is made when read);
+        its wait for a CPU is given at the next read (:meth:`_settle`)."""
         with self._lock:
             self._steps.append(step)
             self.count += 1
+            self._unsettled += 1
 
-    def _close_on_gpu(self, data: float, collective: float, host: float, starved: float) -> None:
+    def _close_on_gpu(self, data: float, collective: float, host: float) -> None:
         """Compute = the GPU's time between this step's events, read once they completed.
 
         ``elapsed_time`` between the events closing two steps is the step on the GPU's
@@ -397,19 +453,19 @@ class StepClock:
         """
         end = self._new_event()
         if end is None:
-            self._add((data, host, collective, starved))
+            self._add((data, host, collective, 0.0))
             return
         end.record()
         previous, self._last_event = self._last_event, end
-        self._gpu.append((previous, end, data, collective, host, starved))
+        self._gpu.append((previous, end, data, collective, host))
         while self._gpu and self._gpu[0][1].query():
-            begin, finish, data_s, collective_s, host_s, starved_s = self._gpu.popleft()
+            begin, finish, data_s, collective_s, host_s = self._gpu.popleft()
             if begin is None:
-                self._add((data_s, host_s, collective_s, starved_s))
+                self._add((data_s, host_s, collective_s, 0.0))
                 continue
             gpu_s = begin.elapsed_time(finish) / 1000.0
             compute = max(host_s, gpu_s - data_s - collective_s)
-            self._add((data_s, compute, collective_s, starved_s))
+            self._add((data_s, compute, collective_s, 0.0))
 
     def _new_event(self) -> Any:
         """A timing CUDA event (None before CUDA is in use): ``event_factory`` if given."""
@@ -420,11 +476,13 @@ class StepClock:
 
     def recent(self) -> list[StepTime]:
         """The last ``window`` steps, oldest first."""
+        self._settle(time.monotonic())
         with self._lock:
             return [StepTime(*step) for step in self._steps]
 
     def summary(self, rank: int, host: str) -> PhaseTimes:
         """This rank's medians over the window (zeros before its first step)."""
+        self._settle(time.monotonic())
         with self._lock:
             steps, count = [StepTime(*step) for step in self._steps], self.count
         if not steps:
