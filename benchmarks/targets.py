@@ -245,6 +245,7 @@ def watching_in_place(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]
     from ddpctx.watch.straggler import StragglerSettings
 
     times: dict[str, dict[str, list[float]]] = {r: {"wall": [], "cpu": []} for r in ("on", "off")}
+    times["on"]["watcher cpu"] = []  # the straggler watcher thread's CPU seconds a step
     with distributed(seed=0, **OFF) as ctx:  # type: ignore[arg-type]
         model, optimizer = seeded_model(ctx)
         site = loss_site()
@@ -272,7 +273,12 @@ def watching_in_place(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]
                 watch.watch_model(model)
             try:
                 ctx.barrier()
-                return _median_step(loader, model, optimizer, site)
+                before = _watcher_cpu(watch)
+                step = _median_step(loader, model, optimizer, site)
+                if watch is not None and watch.watcher is not None:
+                    steps = mode["steps"] + WARM_UP
+                    times["on"]["watcher cpu"].append((_watcher_cpu(watch) - before) / steps)
+                return step
             finally:
                 loader.timed = None
                 if watch is not None:
@@ -285,6 +291,18 @@ def watching_in_place(mode: dict[str, int]) -> dict[str, dict[str, list[float]]]
                     times[row]["wall"].append(wall)
                     times[row]["cpu"].append(cpu)
     return times
+
+
+def _watcher_cpu(watch: Any) -> float:
+    """CPU seconds the straggler watcher's thread has run (0: none; from its schedstat)."""
+    thread = getattr(getattr(watch, "watcher", None), "_thread", None)
+    native = getattr(thread, "native_id", None)
+    if native is None:
+        return 0.0
+    try:
+        return int(Path(f"/proc/self/task/{native}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def logging(mode: dict[str, int], log_dir: str) -> dict[str, dict[str, list[float]]]:
@@ -345,11 +363,21 @@ def job(mode_name: str, out: str) -> None:
         Path(out).write_text(json.dumps(results))
 
 
+def one_rank_job(mode_name: str, out: str) -> None:
+    """A job of one rank: the watching passes without another rank's noise (its main-thread
+    cost: the clock's hooks and the loader's timing; no straggler watcher at one rank)."""
+    Path(out).write_text(json.dumps(watching_in_place(MODES[mode_name])))
+
+
 def extra_us(values: list[float], references: list[float]) -> tuple[float, float, float]:
     """The median extra microseconds of ``values`` over ``references`` (round by round), and
     its interval."""
     extra = [(mine - theirs) * 1e6 for mine, theirs in zip(values, references, strict=True)]
     return median_interval(extra)
+
+
+def _mean_us(seconds: list[float]) -> float:
+    return statistics.fmean(seconds) * 1e6 if seconds else 0.0
 
 
 def _ratio(name: str, values: list[float], reference: list[float], bar: float) -> Measure:
@@ -363,7 +391,7 @@ LOG_TARGET = "ctx.log - the reduction it does (the metrics and the step check by
 def measures(results: dict[str, Any]) -> dict[str, list[Measure]]:
     """Per target, its measures, from :func:`job`'s results."""
     big, small, log = results["big"], results["small"], results["log"]
-    in_place = results["watch in place"]
+    in_place, alone = results["watch in place"], results["watch one rank"]
 
     def extra(clock: str) -> Measure:
         found = extra_us(log["ctx.log"][f"call {clock}"], log[LOG_ROWS[0]][f"call {clock}"])
@@ -379,6 +407,7 @@ def measures(results: dict[str, Any]) -> dict[str, list[Measure]]:
         "step timings + straggler watcher, on / off (passes of one block, median step)": [
             _ratio("wall", in_place["on"]["wall"], in_place["off"]["wall"], 1.01),
             _ratio("main-thread CPU", in_place["on"]["cpu"], in_place["off"]["cpu"], 1.01),
+            _ratio("main-thread CPU, 1 rank", alone["on"]["cpu"], alone["off"]["cpu"], 1.01),
         ],
         f"{LOG_TARGET}, per call": [extra("wall"), extra("cpu")],
     }
@@ -395,6 +424,7 @@ def table(results: dict[str, Any], mode: dict[str, int]) -> list[str]:
         cells = "; ".join(f"{m.name} {m.cell()}: {m.verdict}" for m in found)
         lines.append(f"| {target} | {bar} | {cells} | **{verdict_of(found)}** |")
     big, small, watch, log = results["big"], results["small"], results["watch"], results["log"]
+    in_place, alone = results["watch in place"], results["watch one rank"]
 
     def between(row: str, reference: str, clock: str) -> str:
         return Measure(clock, *extra_us(log[row][clock], log[reference][clock]), 0, "us").cell()
@@ -420,6 +450,12 @@ def table(results: dict[str, Any], mode: dict[str, int]) -> list[str]:
         f"{noise_cpu.cell()} by CPU; a block or pass is {mode['steps']} steps, its median step "
         f"{statistics.median(watch['off']['wall']) * 1e6:.0f} µs off "
         f"({statistics.median(watch['off']['cpu']) * 1e6:.0f} µs of CPU). "
+        f"At one rank, free of the other rank's noise, watching costs "
+        f"{Measure('cpu', *extra_us(alone['on']['cpu'], alone['off']['cpu']), 0, 'us').cell()} "
+        f"of main-thread CPU a step (its median step "
+        f"{statistics.median(alone['off']['cpu']) * 1e6:.0f} µs of CPU off); at two ranks the "
+        f"straggler watcher's own thread (it wakes once a tick, not a step) runs "
+        f"{_mean_us(in_place['on'].get('watcher cpu', [])):.2f} µs of CPU a step on average. "
         f"`ctx.log`'s step check, one element more on the wire (the loss and the check by "
         f"`@all_reduced` against the loss alone): "
         f"{between(LOG_ROWS[0], LOG_ROWS[1], 'call wall')} a call by wall time, "
@@ -438,9 +474,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="about a minute: fewer rounds")
     parser.add_argument("--smoke", action="store_true", help="seconds: checks that it runs")
     parser.add_argument("--job", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one-rank-job", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         job(*args.job)
+        return
+    if args.one_rank_job:
+        one_rank_job(*args.one_rank_job)
         return
     name = "smoke" if args.smoke else "quick" if args.quick else "default"
     started = time.perf_counter()
@@ -450,6 +490,14 @@ def main() -> None:
             torchrun(2, __file__, "--job", name, out), env=repo_env(), check=True, timeout=1800
         )
         results = json.loads(Path(out).read_text())
+        alone = str(Path(scratch) / "one-rank.json")
+        subprocess.run(
+            torchrun(1, __file__, "--one-rank-job", name, alone),
+            env=repo_env(),
+            check=True,
+            timeout=900,
+        )
+        results["watch one rank"] = json.loads(Path(alone).read_text())
     mode = MODES[name]
     load = os.getloadavg()
     print(

@@ -193,6 +193,7 @@ def _target_results(
         "small": {"@all_reduced": [small * 1e-3] * 9, "raw stacked": [1e-3] * 9},
         "watch": {**watched, "off, again": {"wall": block, "cpu": block}},
         "watch in place": watched,
+        "watch one rank": watched,
         "log": {
             row: {"wall": block, "cpu": block, "call wall": calls, "call cpu": calls}
             for row in targets.LOG_ROWS[:2]
