@@ -327,3 +327,17 @@ class Reductions:
         import torch.distributed as dist
 
         dist.all_reduce, dist.all_gather = self.originals  # type: ignore[assignment]
+
+
+def shared_folder(ctx: Any, factory: Any, name: str = "run") -> Path:
+    """A fresh temporary folder made by rank 0, the same path on every rank (a collective)."""
+    return Path(ctx.broadcast(str(factory.mktemp(name)) if ctx.is_main else None))
+
+
+def two_sharded_layers(ctx: Any) -> Any:
+    """``Linear(8, 16)`` then ``Linear(16, 4)``, each block sharded by ``ctx.shard``."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return ctx.shard(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), blocks=[nn.Linear])

@@ -22,13 +22,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from ddpctx import DistContext
 from ddpctx.checkpoint import entries
 from ddpctx.checkpoint.entries import in_place_tensor, weights_only_value
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.sums import Damaged
+from tests.helpers import shared_folder, two_sharded_layers
 
 DTYPES = [
     torch.float32,
@@ -182,8 +182,10 @@ def _sharded_weights(ctx: DistContext, folder: Path, in_place: bool) -> tuple[in
 
     setattr(dcpread, "in_place_tensor", counted)  # noqa: B010 -- the name dcpread calls
     try:
-        torch.manual_seed(7)  # other weights than the saved ones
-        model = ctx.shard(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), blocks=[nn.Linear])
+        model = two_sharded_layers(ctx)
+        with torch.no_grad():  # other weights than the saved ones
+            for parameter in model.parameters():
+                parameter.add_(1.0)
         optimizer = torch.optim.AdamW(model.parameters())
         ctx.load_checkpoint(folder, model=model, optimizer=optimizer)
         state = ctx.full_state_dict(model)
@@ -198,9 +200,7 @@ def test_a_sharded_load_builds_entries_in_place_and_ends_as_the_copying_load(
     dist_ctx: DistContext, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     ctx = dist_ctx
-    folder = Path(ctx.broadcast(str(tmp_path_factory.mktemp("run")) if ctx.is_main else None))
-    torch.manual_seed(0)
-    model = ctx.shard(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), blocks=[nn.Linear])
+    folder, model = shared_folder(ctx, tmp_path_factory), two_sharded_layers(ctx)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(3, 8)).sum().backward()
     optimizer.step()

@@ -26,6 +26,7 @@ from ddpctx import DistContext, distributed
 from ddpctx.checkpoint.sums import SHARDED_MANIFEST, sidecar
 from ddpctx.utils import atomic
 from ddpctx.utils.atomic import atomic_save, without_zip_crc
+from tests.helpers import shared_folder, two_sharded_layers
 
 serialization: Any = torch.serialization
 
@@ -191,8 +192,7 @@ def test_a_sharded_checkpoints_shards_skip_the_zip_crcs_and_load(
     dist_ctx: DistContext, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     ctx = dist_ctx
-    folder = Path(ctx.broadcast(str(tmp_path_factory.mktemp("run")) if ctx.is_main else None))
-    model = ctx.shard(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), blocks=[nn.Linear])
+    folder, model = shared_folder(ctx, tmp_path_factory), two_sharded_layers(ctx)
     path = ctx.save_checkpoint(folder, model=model, epoch=0)
     assert (path / SHARDED_MANIFEST).exists()
     assert serialization.get_crc32_options() is True
