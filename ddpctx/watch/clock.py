@@ -79,6 +79,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -212,6 +213,10 @@ class StepClock:
         self._read_at = -SCHEDSTAT_EVERY_S  # when (monotonic) it was read
         self._unsettled = 0  # steps kept since, their wait for a CPU not yet given
         self._undo: list[Callable[[], None]] = []
+        self._models: list[weakref.ref[nn.Module]] = []  # given to watch_model
+        self._spans_on: Callable[[], None] | None = None  # puts the span hooks on (install)
+        self._spanning = False  # the span hooks are on
+        self._passes = 0  # ctx.dataloader passes running
 
     # -- what the clock is told ------------------------------------------------------------
 
@@ -219,10 +224,10 @@ class StepClock:
         """``batches``, each hand-over timed as data wait (and, with no optimizer, a step)."""
         iterator = iter(batches)
         monotonic = time.monotonic
-        if not self.fed:
-            self.fed = True
-            self.close()  # from now on forward, backward and optimizer spans go unused:
-            # the loader's hand-overs are the data phase; their hooks come off (~3 us each)
+        self.fed = True
+        self._passes += 1
+        if self._spanning:  # in a pass the forward, backward and optimizer spans go unused:
+            self.close()  # its hand-overs are the data phase; their hooks come off (~3 us each)
         try:
             while True:
                 start = monotonic()
@@ -239,6 +244,7 @@ class StepClock:
                     opened.fed = True
                 yield batch
         finally:
+            self._passes -= 1
             self._open = None  # a pass ended or left early: its open step is not a step
             self._last_event = None  # nor is the gap to the next pass
             self._settle(monotonic())  # the steps' wait for a CPU, not the gap's
@@ -277,6 +283,8 @@ class StepClock:
             return
         if leaving and self._depth:
             self.leave()
+        if not self._spanning and not self._passes:  # a loop of its own batches (again)
+            self._spans_resume()
         now = time.monotonic()
         self.by_optimizer = True
         self._begin(now, self._close(now))  # one read of the counters for both
@@ -296,7 +304,7 @@ class StepClock:
         def post(*_: Any) -> None:
             self.optimizer_stepped(leaving=True)
 
-        handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        handles = [register_optimizer_step_post_hook(post)]
         original = torch.autograd.backward
 
         @functools.wraps(original)
@@ -307,14 +315,20 @@ class StepClock:
             finally:
                 self.leave()
 
-        torch.autograd.backward = backward
+        def spans_on() -> None:  # the spans' hooks: while no ctx.dataloader pass runs
+            handles.append(register_optimizer_step_pre_hook(pre))
+            if torch.autograd.backward is original:
+                torch.autograd.backward = backward
 
-        def spans_off() -> None:  # the spans' hooks, once ctx.dataloader batches begin steps
-            handles[0].remove()
-            if torch.autograd.backward is backward:
-                torch.autograd.backward = original
+            def spans_off() -> None:
+                handles.pop().remove()
+                if torch.autograd.backward is backward:
+                    torch.autograd.backward = original
 
-        self._undo.append(spans_off)
+            self._undo.append(spans_off)
+
+        self._spans_on = spans_on
+        self._spans_resume()
 
         def undo() -> None:
             for handle in handles:
@@ -331,12 +345,20 @@ class StepClock:
     def watch_model(self, model: object) -> None:
         """Time ``model``'s forward (a model from ``ctx.wrap`` or ``ctx.shard``).
 
-        Only until a ``ctx.dataloader`` pass begins: from then on its batches
-        begin steps, and a forward's hooks (torch's slower call path, and a few
-        microseconds of ours) would measure nothing.
+        Only while no ``ctx.dataloader`` pass runs: in one, its batches begin
+        steps and its hand-overs are the data phase, and a forward's hooks
+        (torch's slower call path, and a few microseconds of ours) would
+        measure nothing. They come back when a loop of its own batches steps
+        the optimizer again.
         """
-        if not isinstance(model, nn.Module) or self.fed:
+        if not isinstance(model, nn.Module):
             return
+        self._models.append(weakref.ref(model))
+        if self._spanning:
+            self._hook(model)
+
+    def _hook(self, model: nn.Module) -> None:
+        """The forward span hooks on ``model`` (taken off by :meth:`close`)."""
 
         def pre(*_: Any) -> None:
             self.enter()
@@ -362,9 +384,21 @@ class StepClock:
         """Take the hooks off the models :meth:`watch_model` was given, and the span hooks
         (``backward`` and the optimizer's pre-step) off torch; the optimizer's post-step
         hook, which ends steps, stays until :meth:`install`'s undo."""
+        self._spanning = False
         undo, self._undo = self._undo, []
         for remove in undo:
             remove()
+
+    def _spans_resume(self) -> None:
+        """The span hooks back on (no ``ctx.dataloader`` pass runs: a loop of its own batches)."""
+        if self._spans_on is None:
+            return
+        self._spanning = True
+        self._spans_on()
+        alive = [model for ref in self._models if (model := ref()) is not None]
+        self._models = [weakref.ref(model) for model in alive]
+        for model in alive:
+            self._hook(model)
 
     # -- measuring -------------------------------------------------------------------------
 
@@ -386,7 +420,8 @@ class StepClock:
         """Read the run-queue delay; the steps kept since the last read share what it grew by.
 
         Any thread may call it (the file is the main thread's); with none kept since,
-        the growth (a gap between passes) belongs to no step.
+        the growth (a gap between passes) belongs to no step, and no step's share is
+        more than the step lasted (the rest fell between steps: a pass's discarded end).
         """
         if self._schedstat is None:
             return
@@ -398,8 +433,9 @@ class StepClock:
             count, self._unsettled = min(self._unsettled, len(self._steps)), 0
             steps = self._steps
             for index in range(len(steps) - count, len(steps)):
-                data, host, collective, _ = steps[index]
-                steps[index] = (data, host, collective, grown / count)
+                data, host, collective, _ = steps[index]  # never more than the step lasted:
+                share = min(grown / count, data + host + collective)  # the rest was between
+                steps[index] = (data, host, collective, share)
 
     def _begin(self, now: float, waited: float | None = None) -> None:
         """A step begins at ``now``; ``waited``: the tracker's total, when the step before it
