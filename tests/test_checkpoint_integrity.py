@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import signal
 import socket
@@ -577,3 +578,62 @@ def test_a_sharded_save_records_each_shard_as_its_entries_hashed_as_dcp_wrote_th
             assert tiles(record.parts, record.size), name
         else:
             assert again.digest == record.digest, name
+
+
+class _WithEmpty(nn.Module):
+    """An empty buffer and a one-element parameter (one rank's shard of it holds nothing):
+    entries of no elements, which no rank's load plan reads."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(4, 4)
+        self.one = nn.Parameter(torch.randn(1))
+        self.register_buffer("empty", torch.zeros(0, 3))
+
+
+def _save_two_with_empty(folder: str) -> None:
+    ctx = context()
+    for epoch in (0, 1):
+        model = ctx.shard(_WithEmpty(epoch), blocks=[nn.Linear])
+        ctx.save_checkpoint(folder, model=model, epoch=epoch)
+
+
+def _load_with_empty(folder: str) -> dict[str, Any]:
+    ctx = context()
+    model = ctx.shard(_WithEmpty(5), blocks=[nn.Linear])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meta = ctx.load_checkpoint(folder, model=model)
+    return {"meta": meta, "warnings": [str(w.message) for w in caught]}
+
+
+def test_a_flipped_byte_in_an_entry_no_rank_reads_is_still_caught(
+    run_distributed: Any, tmp_path: Path
+) -> None:
+    # Found by the outside attack: the entry of an empty tensor is never in a load plan, so
+    # no rank hashed it, and a damaged one loaded silently (its bytes are still the file's).
+    from ddpctx.checkpoint.dcpread import read_metadata
+
+    run_distributed(_save_two_with_empty, str(tmp_path), world_size=2, timeout=90)
+    newest = max(p for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+    metadata = read_metadata(newest / ".metadata", None)
+    empty = []
+    for index, info in metadata.storage_data.items():
+        stored = metadata.state_dict_metadata[index.fqn]
+        chunks = getattr(stored, "chunks", [])
+        chunk = chunks[index.index] if index.index is not None else None
+        if chunk is not None and math.prod(chunk.sizes) == 0:
+            empty.append((index.fqn, info))
+    assert any(fqn.endswith("empty") for fqn, _ in empty), empty
+    for fqn, info in empty:
+        path = newest / info.relative_path
+        original = flip_byte(path, int(info.offset) + int(info.length) // 2, 0x10)
+        try:
+            results = run_distributed(_load_with_empty, str(tmp_path), world_size=2, timeout=90)
+        finally:
+            path.write_bytes(original)
+        assert [r["meta"] for r in results] == [{"epoch": 0}] * 2, (fqn, results)
+        said = [m for r in results for m in r["warnings"] if "damaged" in m]
+        assert any(path.name in m and fqn in m for m in said), (fqn, said)
+    assert run_distributed(_load_with_empty, str(tmp_path), world_size=2)[0]["meta"] == {"epoch": 1}

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -57,6 +58,7 @@ from typing import IO, Any, cast
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -268,9 +270,14 @@ class Reader(FileSystemReader):
                     f"{path.name!r} has {size} bytes, and {record.size} were saved "
                     "(torn or truncated)",
                 )
-            for item, info in sorted(zip(items, spans, strict=True), key=lambda i: i[1].offset):
+            entries: list[tuple[ReadItem | None, Any, str]] = [
+                (item, info, item.storage_index.fqn)
+                for item, info in zip(items, spans, strict=True)
+            ]
+            if record is not None:  # what no rank reads is verified by the ranks here
+                entries += [(None, info, fqn) for fqn, info in self._unread(path.name)]
+            for item, info, entry in sorted(entries, key=lambda e: int(e[1].offset)):
                 with entry_bytes(stream, size, info.offset, info.length) as data:
-                    entry = item.storage_index.fqn
                     if len(data) != info.length:
                         raise Damaged(
                             str(path),
@@ -280,7 +287,23 @@ class Reader(FileSystemReader):
                     expected = parts.get((info.offset, info.length))
                     if expected is not None and record is not None:
                         self._check(path, record, info, entry, data, expected)
-                    self._load(item, info, data, path, planner)
+                    if item is not None:
+                        self._load(item, info, data, path, planner)
+
+    def _unread(self, name: str) -> list[tuple[str, Any]]:
+        """The entries of the shard ``name`` that no rank's plan reads: chunks of no elements
+        (an empty tensor, a rank's empty slice of a small one). Their bytes are in the file,
+        so the ranks reading it verify them too -- a flipped bit there is damage as well."""
+        state = getattr(self._metadata, "state_dict_metadata", None) or {}
+        found = []
+        for index, info in self.storage_data.items():
+            stored = state.get(index.fqn)
+            if info.relative_path != name or not isinstance(stored, TensorStorageMetadata):
+                continue
+            chunk = _chunk_at(stored.chunks, index)
+            if chunk is not None and math.prod(chunk.sizes) == 0:
+                found.append((index.fqn, info))
+        return found
 
     @staticmethod
     def _check(
@@ -329,6 +352,15 @@ class Reader(FileSystemReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+
+def _chunk_at(chunks: Any, index: Any) -> Any:
+    """The chunk a storage index names: by its position when given, else by its offsets."""
+    position = getattr(index, "index", None)
+    if position is not None and 0 <= position < len(chunks):
+        return chunks[position]
+    offsets = tuple(getattr(index, "offset", None) or ())
+    return next((chunk for chunk in chunks if tuple(chunk.offsets) == offsets), None)
 
 
 def _size(stream: IO[bytes]) -> int:
