@@ -10,7 +10,8 @@
 - :mod:`~ddpctx.checkpoint.shardfiles`: sharded checkpoint directories: names, newest, pruning.
 - :mod:`~ddpctx.checkpoint.dcpread`: DCP's files read as data, never as code, verified as read.
 - :mod:`~ddpctx.checkpoint.mapped`: shard files mapped, read by ``torch.load`` with one copy.
-- :mod:`~ddpctx.checkpoint.together`: each rank verifies what it reads; one gather decides.
+- :mod:`~ddpctx.checkpoint.entries`: a shard's entry to its value, a tensor built on its bytes.
+- :mod:`~ddpctx.checkpoint.together`: each rank verifies what it reads; one small vote decides.
 - :mod:`~ddpctx.checkpoint.pending`: ``async_save=True``, a sharded save written while training.
 - :mod:`~ddpctx.checkpoint.shardwriter`: DCP's file writer, keeping a failed write's ``errno``.
 - :mod:`~ddpctx.checkpoint.writefailures`: a failed sharded write as an ``OSError`` naming the path.
