@@ -165,6 +165,49 @@ def keys_in_the_pools_store() -> int:
     return len(store.list_keys())
 
 
+LEFT_A_DESTROYED_GROUP_IN_A_CYCLE = """
+    import gc, os, sys, tempfile
+    import torch, torch.distributed as dist
+    from ddpctx import launch
+
+    gc.disable()  # the caller's collector has not reached the cycle yet when launch forks
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    dist.all_reduce(torch.ones(3))
+    holder = {"group": dist.group.WORLD}
+    holder["self"] = holder  # a cycle, as a kept traceback or a closure makes one
+    dist.destroy_process_group()
+    del holder
+
+    def collect_then_fail_on_rank_one():
+        gc.collect()
+        if int(os.environ["RANK"]) == 1:
+            raise ValueError("bad shard")  # the error's pickling collects too
+        return "collected"
+
+    print(launch(lambda: (gc.collect(), "collected")[1], world_size=2, timeout=60))
+    try:
+        launch(collect_then_fail_on_rank_one, world_size=2, timeout=60)
+    except Exception as error:
+        print(type(error).__name__, type(error.original).__name__)
+"""
+
+
+def test_a_rank_never_finalizes_a_process_group_the_caller_left_in_a_cycle(tmp_path: Path) -> None:
+    """Regression: gloo's destructor, run in a forked rank, joined the caller's threads forever.
+
+    A destroyed group still held in a cycle (a notebook's kept traceback, an earlier
+    test's) was copied into every rank; the rank's first collection -- often the one
+    while pickling its exception -- hung it for good, and a ``launch`` without a
+    timeout with it (CI's doctest of ``RankError`` sat out pytest's 300 s).
+    """
+    script = tmp_path / "cycle.py"
+    script.write_text(textwrap.dedent(LEFT_A_DESTROYED_GROUP_IN_A_CYCLE))
+    result = run_python(script, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == ["['collected', 'collected']", "RankError ValueError"]
+
+
 def test_a_warm_pools_store_does_not_keep_the_keys_of_every_task_it_ran() -> None:
     from ddpctx.launching.pool import RankPool
 

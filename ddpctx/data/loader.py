@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from ddpctx.data.sampling import Position, ShardSampler
+from ddpctx.utils.forking import collector_frozen
 from ddpctx.utils.seeding import seed_worker, worker_seed
 
 
@@ -252,24 +252,18 @@ class ShardLoader(DataLoader[Any]):
             state.running = False
 
     def _start_pass(self) -> Iterator[Any]:
-        """DataLoader's iterator; worker processes forked now never collect the parent's objects.
+        """DataLoader's iterator; worker processes forked now never collect the rank's objects.
 
         A worker is a fork of the rank, which holds the process group's C++
-        objects (gloo pairs, threads). If a garbage collection in the worker
-        finalizes one of them -- an inherited cycle that the rank had not
-        collected yet -- the worker aborts (``Fatal Python error: Aborted`` while
-        ``Garbage-collecting``, seen under load). Freezing the collector across
-        the fork moves everything that exists now into the permanent generation
-        of the children; the rank unfreezes at once and collects as usual.
+        objects: a worker that finalized one aborts (``Fatal Python error:
+        Aborted`` while ``Garbage-collecting``, seen under load). See
+        :mod:`ddpctx.utils.forking`.
         """
         self.batches.tagged = self.num_workers > 0  # only workers re-seed per batch
         if self.num_workers == 0:
             return super().__iter__()
-        gc.freeze()
-        try:
+        with collector_frozen():
             return super().__iter__()
-        finally:
-            gc.unfreeze()
 
     def _plan(self) -> tuple[int, int, int]:
         """(samples skipped, samples dealt, positions done before the deal) of this pass.

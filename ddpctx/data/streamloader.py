@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from ddpctx.data.streamsplit import (
     WorkerPlan,
     fingerprint,
 )
+from ddpctx.utils.forking import collector_frozen
 from ddpctx.utils.warn import warn_user
 
 #: The most batches a rank reads ahead to agree with the others on the epoch's end.
@@ -228,11 +228,8 @@ class StreamLoader(DataLoader[Any]):
             return iter(self.shard)
         if self.num_workers == 0:
             return super().__iter__()
-        gc.freeze()
-        try:
+        with collector_frozen():
             return super().__iter__()
-        finally:
-            gc.unfreeze()
 
     def _even(self, merged: Iterator[Item]) -> Iterator[Item]:
         """``merged``, ended at the step where the first rank runs out (``pad=True``)."""

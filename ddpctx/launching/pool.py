@@ -39,6 +39,7 @@ from ddpctx.launching.poolstore import loopback_listener
 from ddpctx.launching.preflight import check_before_forking
 from ddpctx.launching.worker import STOP_SIGNALS, Outcome, Task, read_from, worker_main
 from ddpctx.utils.env import check_timeout
+from ddpctx.utils.forking import collector_frozen
 
 #: Seconds the other ranks get, after the first failure, to report their own errors.
 FOLLOW_ON_GRACE_S = 1.0
@@ -100,7 +101,9 @@ class RankPool:
         atexit.register(self.close)
         listener = loopback_listener()  # rank 0 serves the pool's store on it (see poolstore)
         try:
-            with _stop_signals_held():
+            # A rank never collects the caller's objects: a destroyed process group still
+            # in a cycle would hang the rank at its first collection (utils.forking).
+            with _stop_signals_held(), collector_frozen():
                 for rank in range(world_size):
                     parent_end, child_end = context.Pipe()
                     process = context.Process(

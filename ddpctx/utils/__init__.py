@@ -6,6 +6,7 @@
 - :mod:`~ddpctx.utils.hostlist`: SLURM's compact host and tasks-per-node lists, expanded.
 - :mod:`~ddpctx.utils.conflicts`: two launchers' variables that disagree, named.
 - :mod:`~ddpctx.utils.seeding`: seeds, worker seeds, RNG state capture and restore.
+- :mod:`~ddpctx.utils.forking`: forked children that never collect their parent's torch objects.
 - :mod:`~ddpctx.utils.atomic`: files and directories that appear whole or not at all.
 - :mod:`~ddpctx.utils.digest`: running checksums of checkpoint bytes (XXH3-64, or CRC-32).
 - :mod:`~ddpctx.utils.errors`: a rank's own failure vs. the errors it causes on others;
