@@ -656,3 +656,151 @@ def test_a_float16_leafs_mean_is_taken_before_rounding_and_its_sum_overflows(
     assert torch.isinf(dist_ctx.all_reduce(large, op="sum")).all()
     big = torch.full((1024,), 3e38, dtype=torch.float32)  # a large float32 leaf: float32
     assert torch.isinf(dist_ctx.all_reduce(big)).all()  # sum then divide, as torch does
+
+
+def laid_out(base: torch.Tensor, layout: str) -> torch.Tensor:
+    """``base`` (4-d) as a caller might hold it: contiguous, or a strided view of it."""
+    if layout == "transposed":
+        return base.transpose(0, 3)
+    if layout == "channels-last":
+        return base.contiguous(memory_format=torch.channels_last)
+    if layout == "sliced":
+        return base[:, :, ::2]
+    return base
+
+
+@RANKS
+@pytest.mark.slow  # over 2 s: out of the quick tier
+def test_a_large_tensor_is_reduced_through_its_own_clone_as_by_hand_bit_for_bit(
+    dist_ctx: DistContext,
+) -> None:
+    # One large floating tensor: its clone is the buffer (no flat copy, no flag element),
+    # divided in place. It must equal the general path and torch's own collective on a
+    # clone divided by hand, bit for bit, and leave the input alone.
+    rank, n = dist_ctx.rank, dist_ctx.world_size
+
+    @SETTINGS
+    @given(
+        dtype=st.sampled_from([torch.float32, torch.float64]),
+        op=st.sampled_from(["mean", "sum", "prod"]),
+        shape=st.tuples(*[st.integers(2, 9)] * 3).map(lambda s: (s[0], s[1], 8, s[2] * 8)),
+        layout=st.sampled_from(["contiguous", "transposed", "channels-last", "sliced"]),
+        keyed=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def check(
+        dtype: torch.dtype, op: str, shape: tuple[int, ...], layout: str, keyed: bool, seed: int
+    ) -> None:
+        generator = torch.Generator().manual_seed(seed * 7 + rank)
+        site = Site("whole")
+        problems = []
+        for step in range(3):
+            base = torch.randn(shape, generator=generator, dtype=dtype) * 10 ** (step - 1)
+            value = laid_out(base + (1.0 if op == "prod" else 0.0), layout)
+            if value.numel() < 1024:
+                return  # small tensors travel as float64: another path
+            before = value.clone()
+            mine: Any = {"grad": value} if keyed else value
+            with Counted() as counted:
+                got = all_reduce_tree(mine, op, site=site)
+            general = all_reduce_tree(mine, op, site=Site("fresh"))
+            if keyed:
+                got, general = got["grad"], general["grad"]
+            if step > 0 and (counted.reduces, counted.gathers, counted.prepares) != (1, 0, 0):
+                problems.append(f"step {step}: not the fast path {vars(counted)}")
+            if step > 0 and not (site.fast is not None and site.fast.whole):
+                problems.append(f"step {step}: not the whole-tensor path")
+            # in the values' order: at 3+ ranks, gloo's ring sums each chunk starting at
+            # another rank, so a clone kept in a transposed memory order rounds otherwise
+            by_hand = value.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(by_hand, dist.ReduceOp.PRODUCT if op == "prod" else dist.ReduceOp.SUM)
+            if op == "mean":
+                by_hand.div_(n)
+            for name, want in (("the general path", general), ("by hand", by_hand)):
+                if (got.dtype, got.shape) != (want.dtype, want.shape):
+                    problems.append(f"{got.dtype}{tuple(got.shape)} vs {name}'s")
+                elif not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
+                    problems.append(f"step {step}: differs from {name}")
+            if not torch.equal(value, before) or got.data_ptr() == value.data_ptr():
+                problems.append("the input was changed or is the result")
+        agreed = dist_ctx.all_gather(problems)
+        assert not any(agreed), agreed
+
+    check()
+
+
+@RANKS
+def test_a_large_tensor_leaving_the_steady_state_on_one_rank_is_an_error_on_every_rank(
+    dist_ctx: DistContext,
+) -> None:
+    rank, n, last = dist_ctx.rank, dist_ctx.world_size, dist_ctx.world_size - 1
+    site = Site("whole-leaving")
+
+    def reduce(value: Any, **kwargs: Any) -> Any:
+        return all_reduce_tree(value, site=site, **kwargs)
+
+    def grad(fill: float = 1.0) -> torch.Tensor:
+        return torch.full((64, 32), fill)
+
+    for _ in range(3):
+        assert torch.equal(reduce(grad(rank + 1.0)), grad(sum(range(1, n + 1)) / n))
+    assert site.fast is not None
+    assert site.fast.whole
+    # another shape of as many elements, another dtype, a parameter: named on every rank
+    for changed, says in (
+        (torch.ones(32, 64), "tensor:torch.float32[32, 64] mean"),
+        (torch.ones(64, 32, dtype=torch.float64), "tensor:torch.float64[64, 32] mean"),
+        (torch.ones(4), "tensor:torch.float32[4] mean"),
+    ):
+        mine = changed if rank == last else grad()
+        error = error_everywhere(lambda: reduce(mine), ReductionError)  # noqa: B023 -- called now
+        assert "ranks returned different structures" in str(error)
+        assert says in str(error), str(error)
+        assert torch.equal(reduce(grad(2.0)), grad(2.0))  # and back in step
+    parameter = torch.nn.Parameter(grad(3.0))
+    assert torch.equal(reduce(parameter), grad(3.0))  # another type of the same structure
+    # a NaN first in the data is data: NaN there, the rest right, one question more
+    nan_first = grad(1.0)
+    nan_first[0, 0] = float("nan") if rank == 0 else 1.0
+    with Reductions() as recorded:
+        got = reduce(nan_first)
+    assert got[0, 0] != got[0, 0]
+    assert torch.equal(got.view(-1)[1:], grad(1.0).view(-1)[1:])
+    assert recorded.sizes == [64 * 32, 1], recorded.sizes
+    # a failing rank, also through an async handle
+    if rank == last:
+        report = ValueError("no gradient")
+
+        def fail() -> None:
+            collectives.report_failure(report, site)
+            raise report
+
+        error_everywhere(fail, ValueError)
+    else:
+        error = error_everywhere(lambda: reduce(grad()), ReductionError)
+        assert f"rank {last}: ValueError: no gradient" in str(error)
+    handle = reduce(grad(rank + 1.0), async_op=True)
+    assert torch.equal(handle.result(), grad(sum(range(1, n + 1)) / n))
+
+
+@given(
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    world=st.integers(1, 12),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_mean_over_the_ranks_is_the_division_bit_for_bit(
+    dtype: torch.dtype, world: int, seed: int
+) -> None:
+    # Over a power-of-two world it multiplies by 1/world instead (twice as fast): the same bits.
+    from ddpctx.reduce.values import mean_over_
+
+    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16}.get(dtype)
+    bits = bits or {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    info = torch.iinfo(bits)
+    generator = torch.Generator().manual_seed(seed)
+    patterns = torch.randint(info.min, info.max, (4096,), dtype=bits, generator=generator)
+    values = patterns.view(dtype)  # every kind of value: subnormals, infinities, NaNs
+    got, want = mean_over_(values.clone(), world), values.clone().div_(world)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))

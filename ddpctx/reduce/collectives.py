@@ -279,8 +279,13 @@ def _send_fast(
 
 
 def _finish_fast(fast: FastPath, buffer: torch.Tensor, obj: Any, site: Site, group: Any) -> Any:
-    numbers = buffer.tolist()  # a few elements: cheaper than reading one of them
-    if not _raised(fast.wire, numbers[0], False, group):
+    if fast.whole:  # one large tensor: only its first value, the flag
+        numbers = None
+        flag = buffer[0].item()
+    else:
+        numbers = buffer.tolist()  # a few elements: cheaper than reading one of them
+        flag = numbers[0]
+    if not _raised(fast.wire, flag, False, group):
         return fast.unpack(buffer, numbers)
     # Another rank's structure changed, or it failed: the slow path, as in _send.
     world, device = site.transport(group)

@@ -72,7 +72,7 @@ import torch
 
 from ddpctx.reduce.packing import OpSpec, Plan
 from ddpctx.reduce.tree import PYTHON, TENSOR
-from ddpctx.reduce.values import HALVES, rounded
+from ddpctx.reduce.values import HALVES, mean_over_, rounded
 
 _CPU = torch.device("cpu")
 _TENSOR = {torch.Tensor}
@@ -116,6 +116,7 @@ class FastPath:
         "tensor_dtypes",
         "tensors",
         "weight",
+        "whole",
         "wire",
         "world",
     )
@@ -129,6 +130,7 @@ class FastPath:
         world: int,
         device: torch.device,
         mixed: bool = False,
+        whole: bool = False,
     ) -> None:
         wire = plan.wires[0]
         first = plan.leaves[0]
@@ -146,7 +148,11 @@ class FastPath:
         self.from_numbers = (
             self.tensors and wire.dtype == torch.float64 and self.target.is_floating_point
         )
-        self.shape = (len(plan.leaves),)
+        self.shape: tuple[int, ...] = (len(plan.leaves),)
+        # One large floating tensor on the comm device (see _whole): its clone is the buffer.
+        self.whole = whole
+        if whole:
+            self.shape = tuple(first.shape)
         self.flagged = world > 1 and wire.flag  # a flag element in front (else none, or NaN)
         # Floating 0-d tensors on the CPU into a float64 wire: the buffer is built from
         # their values (item() each, then one torch.tensor), cheaper than stack + to at
@@ -198,6 +204,10 @@ class FastPath:
             keys = None
         else:
             return None
+        if _whole(plan, world, device):
+            if type(obj if keys is None else next(iter(obj.values()))) is not torch.Tensor:
+                return None
+            return cls(plan, keys, op, weight, world, device, whole=True)
         if wire.packing == "stack" and wire.unpacking == "tensors":
             if type(obj) is dict and not all(type(v) is torch.Tensor for v in obj.values()):
                 return None
@@ -226,6 +236,18 @@ class FastPath:
             values = list(obj.values())
         else:
             return None
+        if self.whole:
+            (value,) = values
+            if (
+                type(value) is not torch.Tensor
+                or value.dtype != self.dtype
+                or value.shape != self.shape
+                or value.device != self.device
+                or value.layout != torch.strided
+            ):
+                return None
+            # The snapshot a reduction needs anyway, and its buffer: as by hand, one copy.
+            return value.detach().clone(memory_format=torch.contiguous_format).view(-1)
         if self.loss:
             (value,) = values
             if (
@@ -289,6 +311,9 @@ class FastPath:
         world = self.world
         start = 1 if self.flagged else 0
         values: Any
+        if self.whole:
+            whole = (mean_over_(reduced, world) if self.mean else reduced).view(self.shape)
+            return whole if self.bare else {self.keys[0]: whole}  # type: ignore[index]
         if self.mixed:
             if numbers is None:
                 numbers = reduced.tolist()
@@ -322,7 +347,7 @@ class FastPath:
             if self.mean and world > 1:
                 if not body.is_floating_point():
                     body = body.to(torch.float64)
-                body = body.div_(world)
+                body = mean_over_(body, world)
             target = self.target
             if not target.is_floating_point and body.is_floating_point():
                 body = body.round()
@@ -337,6 +362,32 @@ class FastPath:
         if self.bare:
             return values[0]
         return dict(zip(self.keys, values, strict=True))  # type: ignore[arg-type]
+
+
+def _whole(plan: Plan, world: int, device: torch.device) -> bool:
+    """Whether ``plan`` is one floating tensor, on ``device``, summed, averaged or multiplied
+    in its own dtype in one wire whose flag rides in its first value (at 2+ ranks).
+
+    Then its buffer is its clone, reduced as it is and divided in place: the
+    general path's cut-and-join cost ~0.3 ms of CPU a call over a 1M-element
+    float32 tensor (1.25 against 0.91 ms by hand, 2 ranks), a flat copy and
+    a slow flag read among it.
+    """
+    if world < 2 or len(plan.leaves) != 1:
+        return False
+    (wire,), (leaf,) = plan.wires, plan.leaves
+    if leaf.kind != TENSOR or leaf.device != device or not wire.flag_in_nan:
+        return False
+    if wire.dtype != leaf.native or len(wire.slots) != 1 or wire.first_pieces != 1:
+        return False
+    (slot,) = wire.slots
+    return (
+        slot.start == 0
+        and slot.count == wire.length
+        and slot.pieces == 1
+        and slot.weight is None
+        and not slot.estimate
+    )
 
 
 def _mixed(plan: Plan, world: int, device: torch.device) -> bool:

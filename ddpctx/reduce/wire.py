@@ -42,6 +42,7 @@ from ddpctx.reduce.values import (
     divided,
     finish,
     from_numpy,
+    mean_over_,
     rounded,
     scalar,
     times,
@@ -290,7 +291,7 @@ class Wire:
             if self.slots[0].mean and world > 1:
                 if not body.is_floating_point():  # a mean of integer tensors is a float
                     body = body.to(torch.float64)
-                body = body.div_(world)  # the buffer is ours: in place
+                body = mean_over_(body, world)  # the buffer is ours: in place
             target, leaf = self.targets[0], self.leaves[0]
             if not target.is_floating_point and body.is_floating_point():
                 body = body.round()
@@ -325,7 +326,10 @@ class Wire:
             if slot.mean:  # the buffer (or the joined pieces) is ours: divide in place
                 if not value.is_floating_point():
                     value = value.to(torch.float64)
-                value = value.div_(world if slot.weight is None else totals[slot.weight])
+                if slot.weight is None:
+                    value = mean_over_(value, world)
+                else:
+                    value = value.div_(totals[slot.weight])
             results[slot.leaf] = finish(leaf, target, value)
 
     def _joined(self, pieces: Sequence[float], world: int) -> int:
