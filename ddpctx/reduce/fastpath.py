@@ -246,8 +246,11 @@ class FastPath:
                 or value.layout != torch.strided
             ):
                 return None
-            # The snapshot a reduction needs anyway, and its buffer: as by hand, one copy.
-            return value.detach().clone(memory_format=torch.contiguous_format).view(-1)
+            # The snapshot a reduction needs anyway, and its buffer: as by hand, one copy (flat,
+            # as every wire: a small one of a 2-rank gloo group travels as gathered rows).
+            if value.requires_grad:
+                value = value.detach()
+            return value.clone(memory_format=torch.contiguous_format).view(-1)
         if self.loss:
             (value,) = values
             if (
