@@ -384,6 +384,96 @@ def test_a_flipped_byte_anywhere_in_the_newest_sharded_checkpoint_loads_the_olde
     assert run_distributed(load_newest, str(tmp_path), True)[0]["meta"] == {"epoch": 1}
 
 
+def load_counting_collectives(folder: str) -> dict[str, Any]:
+    """A sharded load into a fresh model, counting the collectives it issues by kind."""
+    import torch.distributed as dist
+
+    ctx = context()
+    model = ctx.shard(tiny_model(5), blocks=[nn.Linear])
+    kinds = ["all_reduce", "all_gather", "all_gather_object", "gather_object"]
+    kinds += ["scatter_object_list", "broadcast_object_list", "broadcast", "barrier"]
+    counts = dict.fromkeys(kinds, 0)
+    originals = {kind: getattr(dist, kind) for kind in kinds}
+
+    def counting(kind: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[kind] += 1
+            return originals[kind](*args, **kwargs)
+
+        return call
+
+    for kind in kinds:
+        setattr(dist, kind, counting(kind))
+    try:
+        meta = ctx.load_checkpoint(folder, model=model)
+    finally:
+        for kind, original in originals.items():
+            setattr(dist, kind, original)
+    return {"meta": meta, "counts": counts, "weights": ctx.full_state_dict(model)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_sharded_load_takes_no_object_collective_but_the_listing(
+    run_distributed: Any, tmp_path: Path, world_size: int
+) -> None:
+    # DCP's own load gathered and scattered the plans and gathered every rank's outcome
+    # (three object collectives, ~4-10 ms at 3 ranks); a load's plan is each rank's own,
+    # and what the ranks found is one 1-element vote after the small files, one after
+    # the shards.
+    run_distributed(save_two, str(tmp_path), True, world_size=world_size)
+    results = run_distributed(load_counting_collectives, str(tmp_path), world_size=world_size)
+    for result in results:
+        assert result["meta"] == {"epoch": 1}
+        counts = result["counts"]
+        objects = counts["all_gather_object"] + counts["gather_object"]
+        assert objects + counts["scatter_object_list"] == 0, counts
+        assert counts["broadcast_object_list"] <= 1, counts  # rank 0's listing
+    expected = tiny_model(1).state_dict()
+    for key, value in expected.items():
+        assert torch.equal(results[0]["weights"][key], value), key
+
+
+def fail_reading_shards_on(folder: str, failing: int) -> str:
+    """A load whose DCP read fails on rank ``failing`` with an error that is no damage."""
+    from ddpctx.checkpoint import dcpread
+
+    ctx = context()
+    model = ctx.shard(tiny_model(5), blocks=[nn.Linear])
+    kept = dcpread.Reader.read_data
+
+    def unreadable(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied", "__0_0.distcp")
+
+    if ctx.rank == failing:
+        dcpread.Reader.read_data = unreadable  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        ctx.load_checkpoint(folder, model=model)
+    except Exception as error:  # what each rank raised is the result
+        return f"{type(error).__name__}: {error} after {time.monotonic() - started:.1f} s"
+    finally:
+        dcpread.Reader.read_data = kept  # type: ignore[method-assign]  # a warm pool's rank
+    return "loaded"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_cannot_read_its_shards_fails_every_rank_within_seconds_naming_it(
+    run_distributed: Any, tmp_path: Path, world_size: int
+) -> None:
+    run_distributed(save_two, str(tmp_path), True, world_size=world_size)
+    failing = world_size - 1
+    said = run_distributed(fail_reading_shards_on, str(tmp_path), failing, world_size=world_size)
+    for rank, text in enumerate(said):
+        seconds = float(text.rsplit(" after ", 1)[1].removesuffix(" s"))
+        assert seconds < patience(10.0), said
+        if rank == failing:
+            assert text.startswith("RuntimeError: DCP could not read the shards of"), said
+            assert "PermissionError" in text, said
+        else:
+            assert text.startswith(f"RuntimeError: rank {failing} failed to read"), said
+            assert "Permission denied" in text, said
+
+
 @pytest.mark.parametrize("manifest", [True, False], ids=["verified", "no-manifest"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_shard_cut_to_half_is_skipped_and_the_older_checkpoint_loads(

@@ -190,6 +190,16 @@ def cause_of(error: BaseException) -> Damaged | RefusedCheckpoint | None:
     return None
 
 
+def failures_said(error: BaseException) -> str:
+    """What each rank's failure in a DCP ``CheckpointException`` was, as one line."""
+    failures = getattr(error, "failures", None)
+    said = []
+    for rank, failure in sorted(failures.items()) if isinstance(failures, dict) else ():
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        said.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+    return "; ".join(said) or str(error)
+
+
 def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     """The part of a stored chunk a read wants (as DCP's ``narrow_tensor_by_index``)."""
     for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=False)):

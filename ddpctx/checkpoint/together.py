@@ -16,10 +16,8 @@ checkpoint from the newest:
    warns too; a file refused as unsafe on any rank (pickled code) is an
    error on every rank, never a silent skip.
 
-A sharded checkpoint's shards are read after that agreement, by DCP, whose
-read step gathers every rank's outcome anyway: a damaged entry on one rank
-fails that step on every rank at once, and :func:`dcp_findings` turns it
-into the same findings (no further collective).
+A sharded checkpoint's shards are read after that agreement, and what the
+ranks found reading them is agreed the same way (a second vote).
 
 This module knows ranks only through a :class:`~ddpctx.utils.identity.Place`.
 
@@ -100,19 +98,6 @@ def agree(place: Place, mine: Finding | None) -> dict[int, Finding]:
     """
     everyone = [mine] if place.world_size == 1 else all_gather_rare(mine)
     return {rank: found for rank, found in enumerate(everyone) if found is not None}
-
-
-def dcp_findings(error: BaseException) -> dict[int, Finding]:
-    """The findings in DCP's ``CheckpointException`` (the same on every rank); {} if none."""
-    failures = getattr(error, "failures", None)
-    if not isinstance(failures, dict):
-        return {}
-    found: dict[int, Finding] = {}
-    for rank, failure in failures.items():
-        cause = failure[0] if isinstance(failure, tuple) and failure else failure
-        if isinstance(cause, BaseException) and (finding := finding_of(cause)) is not None:
-            found[int(rank)] = finding
-    return found
 
 
 def whole(place: Place, where: Path, manifest: Path, findings: dict[int, Finding]) -> bool:

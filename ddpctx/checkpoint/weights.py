@@ -208,7 +208,7 @@ def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from ddpctx.checkpoint.dcpread import Reader, cause_of, read_metadata
+    from ddpctx.checkpoint.dcpread import Reader, cause_of, failures_said, read_metadata
 
     # Read here, not by DCP: DCP logs a traceback for a .metadata it cannot read (pruned by
     # a writer), then looks for per-rank ones and fails on that instead.
@@ -224,12 +224,10 @@ def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
     except CheckpointException as error:  # DCP wraps what its reader raised: say it plainly
         if (cause := cause_of(error)) is not None:
             raise cause from None
-        failures = getattr(error, "failures", None) or {}
-        said = "; ".join(f"{type(f).__name__}: {f}" for f in failures.values()) or str(error)
+        said = failures_said(error)[:300]
         raise RuntimeError(
-            f"{str(checkpoint)!r} could not be read by DCP ({said[:300]}). If a job is "
-            "writing this directory, read it again (or pass the directory, whose newest "
-            "checkpoint is read)."
+            f"{str(checkpoint)!r} could not be read by DCP ({said}). If a job is writing this "
+            "directory, read it again (or pass the directory, whose newest checkpoint is read)."
         ) from None
     return state
 
