@@ -61,7 +61,7 @@ MODES: dict[str, dict[str, int]] = {
     "smoke": {"big": 2, "big_calls": 1, "small": 2, "small_calls": 2, "rounds": 1, "steps": 2},
     "quick": {"big": 15, "big_calls": 3, "small": 60, "small_calls": 10, "rounds": 10, "steps": 60},
     "default": {
-        "big": 600,
+        "big": 2400,
         "big_calls": 3,
         "small": 400,
         "small_calls": 10,
