@@ -26,8 +26,9 @@ recompute a CRC. So ddpctx never lets DCP unpickle a checkpoint file:
   the model -- DCP's reader makes two -- and a non-tensor entry only if
   ``weights_only`` admits it (it reaches DCP's planner re-serialised from
   plain values). A damaged entry raises
-  :class:`~ddpctx.checkpoint.sums.Damaged`, which DCP's read step reports
-  on every rank at once.
+  :class:`~ddpctx.checkpoint.sums.Damaged` on the rank that read it; the
+  ranks' vote after the read (:mod:`ddpctx.checkpoint.shardload`) tells
+  every rank.
 
 A checkpoint whose manifest predates per-entry records (written by an
 older ddpctx) has each shard file a rank reads verified whole, once,
