@@ -42,9 +42,18 @@ float32 buffer and converting saves nothing measurable (22-31 us); and a
 reused buffer could neither be in flight twice (``async_op=True``) nor hand
 its views back as results.
 
+One large floating tensor (summed, averaged or multiplied in its own dtype,
+its flag riding in its first value) is packed as its clone -- the one copy a
+hand-written ``clone``, ``all_reduce``, ``div_`` makes too -- and read back
+by one element's ``item()`` for the flag and the division in place.
+
 Anything else, and any result whose structure differs from the agreed one,
 takes the general path, which raises the protocol's flag when needed: the
 fast path never decides anything the general path would decide otherwise.
+
+Why one module (past 400 lines): each kind's check-and-pack and its read-back
+are two halves of one wire format, kept beside each other and beside the
+rules (:func:`_whole`, :func:`_mixed`) that choose the kind from the agreed plan.
 
 Example:
     >>> metrics = {"loss": torch.tensor(2.0), "acc": torch.tensor(0.5)}
