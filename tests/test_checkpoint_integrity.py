@@ -469,6 +469,7 @@ def test_a_rank_that_cannot_read_its_shards_fails_every_rank_within_seconds_nami
         if rank == failing:
             assert text.startswith("RuntimeError: DCP could not read the shards of"), said
             assert "PermissionError" in text, said
+            assert "Make the files named readable" in text, said  # and the fix
         else:
             assert text.startswith(f"RuntimeError: rank {failing} failed to read"), said
             assert "Permission denied" in text, said

@@ -222,7 +222,11 @@ def _read_shards(
             raise cause from None
         # a BaseException: as an Exception, it reaches the other ranks through the vote
         said = failures_said(error)[:300]
-        raise RuntimeError(f"DCP could not read the shards of {str(path)!r} ({said})") from error
+        raise RuntimeError(
+            f"DCP could not read the shards of {str(path)!r} ({said}). Make the files named "
+            "readable on this rank's host (permissions, the file system's mount), or move "
+            "this checkpoint away to resume from an older one."
+        ) from error
 
 
 def _restore_rest(
