@@ -97,9 +97,9 @@ def test_a_worker_that_goes_to_sleep_ends_the_wait(tmp_path: Path) -> None:
         os.replace(tasks / "100" / "stat.new", stat)
 
     timer = threading.Timer(0.2, fall_asleep)
+    started = time.monotonic()  # before the timer starts: on a busy machine, the start took 3 ms
     timer.start()
     try:
-        started = time.monotonic()
         assert quiesce_gloo_workers(timeout_s=30, tasks=tasks)
         assert time.monotonic() - started >= 0.2
     finally:
