@@ -36,7 +36,6 @@ before its entries are read. Without a manifest nothing is verified (the
 loader warns), but nothing is unpickled unrestricted either.
 
 This module imports DCP (about a second); its users import it when first needed.
-
 Example:
     >>> ("torch", "Size") in admitted()
     True
@@ -63,6 +62,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from ddpctx.checkpoint.claims import check_metadata_claims, check_pickle, refusal
 from ddpctx.checkpoint.entries import in_place_tensor, refused, weights_only_value
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.mapped import View, entry_bytes
@@ -124,14 +124,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Unsafe(f"persistent id {pid!r:.60}")
 
 
-def read_metadata(path: Path, recorded: Recorded | None) -> Any:
-    """DCP's ``Metadata`` from ``path``, read once, verified against ``recorded``, restricted.
+def read_metadata(path: Path, manifest: dict[str, Recorded] | None) -> Any:
+    """DCP's ``Metadata`` from ``path``, read once, verified against ``manifest``, restricted.
 
-    :class:`Damaged` when its bytes are not those saved or do not unpickle;
-    ``RefusedCheckpoint`` when it names any global :func:`admitted` does not
-    list, or a shard file outside its directory.
+    ``manifest``: the checkpoint's (None: it has none). :class:`Damaged` when its bytes
+    are not those saved, or (without a manifest) do not unpickle; ``RefusedCheckpoint``
+    when it names any global :func:`admitted` does not list or a shard file outside its
+    directory, claims more than the files hold
+    (:func:`~ddpctx.checkpoint.claims.check_metadata_claims`), or -- its checksum
+    matched, so it was written so -- does not read as DCP's metadata.
     """
-    data = verified_bytes(path, recorded)
+    record = None if manifest is None else manifest.get(METADATA_FILE)
+    if manifest is not None and record is None:
+        raise Damaged(str(path), f"its manifest does not list {METADATA_FILE!r}")
+    data = verified_bytes(path, record)
+    verified = record is not None
+
+    def bad(reason: str) -> Exception:
+        return refusal(path, reason) if verified else Damaged(str(path), reason)
+
+    check_pickle(data, len(data), path)  # what it claims, before pickle allocates it
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except _Unsafe as error:
@@ -139,21 +151,26 @@ def read_metadata(path: Path, recorded: Recorded | None) -> Any:
             path, f"pickled code ({error}), which a general unpickler would run"
         ) from None
     except Exception as error:
-        raise Damaged(
-            str(path),
+        raise bad(
             f"{path.name!r} does not read as DCP's metadata ({type(error).__name__}: "
-            f"{str(error)[:200]})",
+            f"{str(error)[:200]})"
         ) from None
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(storage, dict):
-        raise Damaged(str(path), f"{path.name!r} is not DCP's metadata")
+        raise bad(f"{path.name!r} is not DCP's metadata (it holds a {type(metadata).__name__})")
     for info in storage.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(name, str):
-            raise Damaged(str(path), f"{path.name!r} lists an entry without a file")
+            raise bad(f"{path.name!r} lists an entry without a file name ({name!r:.60})")
         if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
             raise refused(path, f"a shard file name outside the checkpoint ({name!r:.80})")
+        if not all(isinstance(getattr(info, f), int) and getattr(info, f) >= 0 for f in _SPAN):
+            raise bad(f"{path.name!r} lists an entry of {name!r} without an offset and length")
+    check_metadata_claims(path, metadata, manifest)
     return metadata
+
+
+_SPAN = ("offset", "length")  # what each entry of .metadata must give, as ints
 
 
 def shard_spans(metadata: Any) -> dict[str, int]:
@@ -230,8 +247,7 @@ class Reader(FileSystemReader):
             raise FileNotFoundError("ddpctx checkpoints hold one .metadata, none per rank")
         if self._metadata is None:
             where = Path(self.path) / METADATA_FILE
-            record = None if self._recorded is None else self._recorded.get(METADATA_FILE)
-            self._metadata = read_metadata(where, record)
+            self._metadata = read_metadata(where, self._recorded)
         metadata = self._metadata
         storage_meta = getattr(dcp_metadata, "StorageMeta", None)
         if storage_meta is not None and getattr(metadata, "storage_meta", None) is None:
@@ -299,7 +315,7 @@ class Reader(FileSystemReader):
                     if expected is not None and record is not None:
                         self._check(path, record, info, entry, data, expected)
                     if item is not None:
-                        self._load(item, info, data, path, planner)
+                        self._load(item, info, data, path, planner, record is not None)
 
     def _unread(self, name: str) -> list[tuple[str, Any]]:
         """The entries of the shard ``name`` that no rank's plan reads: chunks of no elements
@@ -333,7 +349,13 @@ class Reader(FileSystemReader):
             self._whole_verified.add(path.name)
 
     def _load(
-        self, item: ReadItem, info: Any, data: memoryview, path: Path, planner: LoadPlanner
+        self,
+        item: ReadItem,
+        info: Any,
+        data: memoryview,
+        path: Path,
+        planner: LoadPlanner,
+        verified: bool,
     ) -> None:
         stream: IO[bytes] = cast(IO[bytes], View(data))
         descriptors = getattr(info, "transform_descriptors", None) or ()
@@ -345,14 +367,14 @@ class Reader(FileSystemReader):
         entry = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             plain = io.BytesIO()
-            value = weights_only_value(stream, path, entry)
+            value = weights_only_value(stream, path, entry, verified)
             torch.save(value, plain)  # DCP would unpickle it unrestricted
             plain.seek(0)
             planner.load_bytes(item, plain)
             return
-        loaded = None if descriptors else in_place_tensor(data, info.offset, path, entry)
+        loaded = None if descriptors else in_place_tensor(data, info.offset, path, entry, verified)
         if loaded is None:
-            loaded = weights_only_value(stream, path, entry)
+            loaded = weights_only_value(stream, path, entry, verified)
         tensor = _narrow(loaded, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():

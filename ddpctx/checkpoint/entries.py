@@ -24,10 +24,11 @@ import pickle
 import platform
 import warnings
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
+from ddpctx.checkpoint.claims import check_torch_file, refusal
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.mapped import View
 from ddpctx.checkpoint.sums import Damaged
@@ -43,8 +44,31 @@ def refused(path: Path, what: str) -> RefusedCheckpoint:
     )
 
 
-def weights_only_value(data: IO[bytes], path: Path, entry: str) -> Any:
-    """``torch.load(weights_only=True)`` of one entry; refused or unreadable, said so."""
+def unreadable(path: Path, entry: str, error: Exception, verified: bool) -> Exception:
+    """An entry that does not read: damaged, or refused when its checksum matched (not torn)."""
+    said = f"{type(error).__name__}: {str(error)[:200]}"
+    if verified:
+        return refusal(path, f"an entry {entry!r} that does not read ({said})")
+    return Damaged(str(path), f"{path.name!r}: its entry {entry!r} cannot be read ({said})")
+
+
+def weigh(data: IO[bytes], length: int, path: Path, entry: str, verified: bool) -> None:
+    """Refuse an entry that claims more than its ``length`` bytes allow (before it is loaded)."""
+    try:
+        check_torch_file(data, length, path)
+    except ValueError as error:
+        raise unreadable(path, entry, error, verified) from None
+    finally:
+        data.seek(0)
+
+
+def weights_only_value(data: IO[bytes], path: Path, entry: str, verified: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of one entry; refused or unreadable, said so.
+
+    ``verified``: its checksum matched, so one that does not read is refused, not damaged.
+    """
+    data.seek(0, 2)
+    weigh(data, data.tell(), path, entry, verified)
     try:
         return torch.load(data, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -54,11 +78,7 @@ def weights_only_value(data: IO[bytes], path: Path, entry: str) -> Any:
                 path,
                 f"pickled code in its entry {entry!r} ({reason}), which DCP's loader would run",
             ) from None
-        raise Damaged(
-            str(path),
-            f"{path.name!r}: its entry {entry!r} cannot be read ({type(error).__name__}: "
-            f"{str(error)[:200]})",
-        ) from None
+        raise unreadable(path, entry, error, verified) from None
 
 
 #: Processors whose loads and stores need no alignment: a tensor may start at any byte there.
@@ -81,7 +101,9 @@ def _in_place_loading() -> bool:
     )
 
 
-def in_place_tensor(data: memoryview, offset: int, path: Path, entry: str) -> Any:
+def in_place_tensor(
+    data: memoryview, offset: int, path: Path, entry: str, verified: bool = False
+) -> Any:
     """``torch.load(weights_only=True)`` of one entry whose storage *is* ``data``; None where
     that cannot be done here (then :func:`weights_only_value` reads it, one copy more).
 
@@ -94,6 +116,7 @@ def in_place_tensor(data: memoryview, offset: int, path: Path, entry: str) -> An
     aligned = offset % 16 == 0 or platform.machine().lower() in _ANY_ALIGNMENT
     if not (aligned and _in_place_loading()) or bytes(data[:4]) != b"PK\x03\x04":
         return None  # a legacy (non-zip) entry, or a torch without the means
+    weigh(cast(IO[bytes], View(data)), len(data), path, entry, verified)
     serialization: Any = torch.serialization
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "not writable": it is only read
@@ -109,8 +132,4 @@ def in_place_tensor(data: memoryview, offset: int, path: Path, entry: str) -> An
             path, f"pickled code in its entry {entry!r} ({reason}), which DCP's loader would run"
         ) from None
     except Exception as error:
-        raise Damaged(
-            str(path),
-            f"{path.name!r}: its entry {entry!r} cannot be read ({type(error).__name__}: "
-            f"{str(error)[:200]})",
-        ) from None
+        raise unreadable(path, entry, error, verified) from None

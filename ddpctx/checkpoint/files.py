@@ -55,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -64,6 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpctx.checkpoint.claims import check_torch_file, refusal
 from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
 from ddpctx.checkpoint.sums import (
     Torn,
@@ -194,16 +196,29 @@ def refuse_a_file(directory: Path) -> None:
 
 
 def read_state(
-    path: Path, device: torch.device | str = "cpu", mmap: bool = False
+    path: Path, device: torch.device | str = "cpu", mmap: bool = False, verified: bool = False
 ) -> dict[str, Any]:
     """The checkpoint at ``path``, loaded with ``weights_only=True`` onto ``device``.
 
-    :class:`~ddpctx.checkpoint.sums.Torn` when it does not read as a torch file (torn, or
-    missing); :class:`RefusedCheckpoint` when ``weights_only`` refuses what it holds (pickled
-    code: refused as unsafe) or it is not a ddpctx checkpoint.
+    What it claims is weighed first (:mod:`ddpctx.checkpoint.claims`: nothing past a
+    small multiple of its size is allocated). :class:`~ddpctx.checkpoint.sums.Torn` when
+    it does not read as a torch file (torn, or missing); :class:`RefusedCheckpoint` when
+    ``weights_only`` refuses what it holds (pickled code: refused as unsafe), it claims
+    more than it holds, it is not a ddpctx checkpoint, or it fails to read although
+    ``verified`` (its checksum matched: it was written so, it is not torn).
     """
     try:
-        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+        with open(path, "rb") as stream:
+            check_torch_file(stream, os.fstat(stream.fileno()).st_size, path)
+        try:
+            state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+        except Exception:
+            if not mmap:
+                raise
+            # a file system that cannot map files, say: read it as torch reads it
+            state = torch.load(path, map_location=device, weights_only=True)
+    except RefusedCheckpoint:
+        raise
     except Exception as error:
         if "Weights only load failed" in str(error):
             reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
@@ -215,12 +230,14 @@ def read_state(
                 "its values as plain numbers/strings/tensors, and save it again (or move it away)."
             ) from error
         missing = isinstance(error, FileNotFoundError)
+        said = f"{type(error).__name__}: {str(error)[:200]}"
+        if verified and not missing:
+            raise refusal(path, f"data that does not read as a checkpoint ({said})") from None
         raise Torn(
             str(path),
             f"{path.name!r} is missing"
             if missing
-            else f"{path.name!r} does not read as a torch file ({type(error).__name__}: "
-            f"{str(error)[:200]})",
+            else f"{path.name!r} does not read as a torch file ({said})",
         ) from error
     if not (isinstance(state, dict) and state.get("format") == FORMAT):
         raise RefusedCheckpoint(
@@ -230,10 +247,13 @@ def read_state(
     return state
 
 
-def probe(path: Path) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` (memory-mapped), None if torn; RefusedCheckpoint if refused."""
+def probe(path: Path, verified: bool = False) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` (memory-mapped), None if torn; RefusedCheckpoint if refused.
+
+    ``verified``: its checksum just matched, so a failure to read it is a refusal.
+    """
     try:
-        return read_state(path, mmap=True)
+        return read_state(path, mmap=True, verified=verified)
     except Torn as error:
         warn_user(
             f"skipping {str(path)!r}: it is torn: {error.reason}; trying an older checkpoint.",
@@ -251,7 +271,12 @@ def newest_checkpoint(directory: Path) -> Path | None:
     refuse_a_file(directory)
     paths = checkpoint_paths(directory)
     for path in paths:  # the checksums first: a damaged file is never unpickled
-        if intact(sidecar(path), path.parent, (path.name,), path) and probe(path) is not None:
+        verified = sidecar(path).exists()
+        if (
+            intact(sidecar(path), path.parent, (path.name,), path)
+            and probe(path, verified) is not None
+        ):
+            say_lost(directory, path)
             return path
     if paths:
         raise RuntimeError(
@@ -361,11 +386,54 @@ def remove_checkpoint_file(path: Path) -> None:
 
 
 def remove_abandoned_checkpoint_temporaries(directory: Path) -> None:
-    """Remove what killed saves of any checkpoint in ``directory`` left behind."""
+    """Remove what killed saves of any checkpoint in ``directory`` left behind.
+
+    A save killed after its manifest was written and before the rename leaves the
+    manifest too: it goes with the temporary (its checkpoint was never published).
+    """
     names = {path.name.split(".")[1] for path in directory.glob(".checkpoint-*.tmp")}
     for name in names:
         if _NAME.match(name + ".pt"):
-            remove_abandoned(directory / (name + ".pt"))
+            target = directory / (name + ".pt")
+            remove_abandoned(target)
+            if not target.exists() and not _saving(target):
+                sidecar(target).unlink(missing_ok=True)
+
+
+def _saving(target: Path) -> bool:
+    """Whether a temporary of ``target`` is there (a save in flight, or killed and not cleaned)."""
+    return any(target.parent.glob(f".{target.name}.*.tmp"))
+
+
+def lost_checkpoints(directory: Path, chosen: Path) -> list[Path]:
+    """Checkpoint files newer than ``chosen`` that are gone while their manifests are there.
+
+    A manifest is written just before its checkpoint is published, and removed with it;
+    one left without its file (and no save of it in flight) means the file was deleted,
+    or not copied, after it was saved.
+    """
+    lost = []
+    for manifest in directory.glob("checkpoint-*.pt.sums"):
+        target = manifest.with_name(manifest.name.removesuffix(".sums"))
+        newer = _NAME.match(target.name) and number_of(target) > number_of(chosen)
+        if newer and not target.exists() and not _saving(target):
+            lost.append(target)
+    return sorted(lost, key=number_of, reverse=True)
+
+
+def say_lost(directory: Path, chosen: Path) -> None:
+    """Warn, naming it, when a checkpoint newer than ``chosen`` was lost (see above)."""
+    lost = lost_checkpoints(directory, chosen)
+    if lost:
+        names = ", ".join(path.name for path in lost)
+        warn_user(
+            f"{str(lost[0])!r} is missing though its checksum manifest {sidecar(lost[0]).name!r} "
+            f"is there: the newer checkpoint(s) {names} were saved, then deleted or not copied. "
+            f"Using the older {chosen.name!r}, which loses the progress since. Copy "
+            f"{lost[0].name!r} back beside its manifest to resume from it, or remove "
+            f"{sidecar(lost[0]).name!r} if it is gone for good.",
+            RuntimeWarning,
+        )
 
 
 def check_single_writer(directory: Path, last_seen: str | None) -> None:

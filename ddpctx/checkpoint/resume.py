@@ -55,6 +55,7 @@ from ddpctx.checkpoint.files import (
     refuse_a_file,
     remove_abandoned_checkpoint_temporaries,
     remove_checkpoint_file,
+    say_lost,
     training_state,
     unwrap_model,
 )
@@ -244,6 +245,7 @@ def load(
     path = chosen
     where = repr(str(path))
     if place.rank == 0:
+        say_lost(directory, path)
         _after_choice(directory, path, state.get("keep"), seen)
     changed = check_world_size(state, path, place.world_size, allow_world_size_change)
     saved = saved_loaders(state.get("loaders") or [])
@@ -303,7 +305,8 @@ def _read_verified(place: Place, path: Path, device: torch.device) -> dict[str, 
     file into memory while hashing and loading from that buffer took 2x.
     """
     manifest = sidecar(path)
-    if manifest.exists():
+    verified = manifest.exists()
+    if verified:
         recorded = read_manifest(manifest)
         if isinstance(recorded, str):
             raise Damaged(str(manifest), recorded)
@@ -313,11 +316,7 @@ def _read_verified(place: Place, path: Path, device: torch.device) -> dict[str, 
             raise Damaged(str(path), reason)
     elif place.rank == 0:
         warn_user(unverified_warning(path, manifest), RuntimeWarning)
-    try:
-        state = read_state(path, device, mmap=True)
-    except Damaged:  # a file system that cannot map files, say: read it as torch reads it
-        return read_state(path, device)
-    return _off_the_file(state)
+    return _off_the_file(read_state(path, device, mmap=True, verified=verified))
 
 
 def _off_the_file(state: dict[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from ddpctx.checkpoint.sums import (
     Damaged,
     found_damaged,
     intact,
+    read_manifest,
     sizes_differ,
 )
 from ddpctx.utils.atomic import is_abandoned
@@ -104,21 +105,27 @@ def complete(path: Path) -> bool:
     manifest = path / SHARDED_MANIFEST
     if not intact(manifest, path, (STATE_FILE, METADATA_FILE), path):
         return False
+    recorded = read_manifest(manifest) if manifest.exists() else None
+    if isinstance(recorded, str):  # changed since it was verified just now
+        warn_user(
+            f"skipping {str(path)!r}: {recorded}; trying an older checkpoint.", RuntimeWarning
+        )
+        return False
     try:
-        metadata = read_metadata(path / METADATA_FILE, None)  # its bytes verified just now
+        metadata = read_metadata(path / METADATA_FILE, recorded)
     except Damaged as error:
         warn_user(
             f"skipping {str(path)!r}: it is torn: {error.reason}; trying an older checkpoint.",
             RuntimeWarning,
         )
         return False
-    if not manifest.exists() and (why := short_shard(path, metadata)):
+    if recorded is None and (why := short_shard(path, metadata)):
         warn_user(
             f"skipping {str(path)!r}: it is torn: {why}; trying an older checkpoint.",
             RuntimeWarning,
         )
         return False
-    return probe(path / STATE_FILE) is not None
+    return probe(path / STATE_FILE, verified=recorded is not None) is not None
 
 
 def newest_is_sharded(directory: Path) -> bool:

@@ -91,9 +91,8 @@ def read_small(
             raise Damaged(str(path / STATE_FILE), reason)
     elif place.rank == 0:
         warn_user(unverified_warning(path, manifest), RuntimeWarning)
-    state = read_state(path / STATE_FILE, device)
-    record = None if recorded is None else recorded[METADATA_FILE]
-    metadata = read_metadata(path / METADATA_FILE, record)
+    state = read_state(path / STATE_FILE, device, verified=recorded is not None)
+    metadata = read_metadata(path / METADATA_FILE, recorded)
     if recorded is None and (why := short_shard(path, metadata)):
         raise Torn(str(path), why)
     return state, metadata, recorded

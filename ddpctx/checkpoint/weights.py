@@ -60,6 +60,7 @@ from ddpctx.checkpoint.files import (
     checkpoint_paths,
     newest_checkpoint,
     probe,
+    read_state,
 )
 from ddpctx.checkpoint.shardfiles import (
     METADATA_FILE,
@@ -69,7 +70,7 @@ from ddpctx.checkpoint.shardfiles import (
     newest_checkpoint_dir,
     newest_is_sharded,
 )
-from ddpctx.checkpoint.sums import intact, sidecar
+from ddpctx.checkpoint.sums import SHARDED_MANIFEST, intact, read_manifest, sidecar
 from ddpctx.utils.warn import warn_user
 
 __all__ = ["checkpoint_meta", "chosen_checkpoint", "load_weights", "read_newest", "resolve"]
@@ -119,7 +120,10 @@ def resolve(path: str | os.PathLike[str]) -> Path | None:
         if one_sharded:
             good = complete(where)
         else:
-            good = intact(sidecar(where), where.parent, (where.name,), where) and _probed(where)
+            verified = sidecar(where).exists()
+            good = intact(sidecar(where), where.parent, (where.name,), where) and _probed(
+                where, verified
+            )
     for warning in caught:
         if good:  # e.g. "no checksum manifest": said as loading would say it
             warn_user(warning.message, RuntimeWarning)
@@ -133,10 +137,10 @@ def resolve(path: str | os.PathLike[str]) -> Path | None:
     return where
 
 
-def _probed(path: Path) -> bool:
+def _probed(path: Path, verified: bool) -> bool:
     """Whether the one file named loads; not a ddpctx checkpoint (an export?) says so."""
     try:
-        return probe(path) is not None
+        return probe(path, verified) is not None
     except RefusedCheckpoint as error:
         if "not a ddpctx checkpoint" not in str(error):
             raise
@@ -150,13 +154,8 @@ def _probed(path: Path) -> bool:
 def _small_state(checkpoint: Path) -> dict[str, Any]:
     """The state without the shards (``ddpctx.pt``), or the ``.pt`` memory-mapped."""
     target = checkpoint / STATE_FILE if checkpoint.is_dir() else checkpoint
-    state = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
-    if not (isinstance(state, dict) and state.get("format") == FORMAT):
-        raise ValueError(
-            f"{str(target)!r} is not a ddpctx checkpoint (no format {FORMAT!r}); load it "
-            "with torch.load."
-        )
-    return state
+    manifest = checkpoint / SHARDED_MANIFEST if checkpoint.is_dir() else sidecar(checkpoint)
+    return read_state(target, "cpu", mmap=True, verified=manifest.exists())
 
 
 #: Meta keys ddpctx itself stores and ``load_checkpoint`` removes (the metrics trail's last
@@ -212,7 +211,11 @@ def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
 
     # Read here, not by DCP: DCP logs a traceback for a .metadata it cannot read (pruned by
     # a writer), then looks for per-rank ones and fails on that instead.
-    metadata = read_metadata(checkpoint / METADATA_FILE, None)  # verified by resolve
+    manifest = checkpoint / SHARDED_MANIFEST  # verified by resolve; its records weigh the claims
+    recorded = read_manifest(manifest) if manifest.exists() else None
+    if isinstance(recorded, str):
+        raise RuntimeError(f"{str(checkpoint)!r} cannot be read: {recorded}. Read it again.")
+    metadata = read_metadata(checkpoint / METADATA_FILE, recorded)
     state: dict[str, Any] = {}
     try:
         _load_state_dict(

@@ -1,0 +1,429 @@
+"""What a pickled checkpoint file claims to hold, weighed against its size before it is unpickled.
+
+``torch.load(weights_only=True)`` runs no code, but the globals it admits can
+still allocate what a file *claims*: ``bytearray(3 << 30)`` in a 33 KB file,
+``torch.FloatStorage(n)``, a quantized tensor's size, a tensor of 50 GB
+expanded over 4 bytes (zero strides) that an export then materialises; and
+``pickle`` itself allocates what ``BINBYTES8``/``BYTEARRAY8`` say before it
+finds the bytes missing. A checksum is no defence (anyone can re-sign a
+file). So before any checkpoint pickle is unpickled -- a ``.pt``'s
+``data.pkl``, a shard entry's, DCP's ``.metadata`` -- :func:`check_pickle`
+walks its opcodes (:func:`pickletools.genops`, which reads no more than the
+bytes there) with a small model of the unpickler's stack, and refuses
+(:class:`~ddpctx.checkpoint.sums.RefusedCheckpoint`, naming the file) when:
+
+- what it would allocate -- each constructor's claimed size (16 bytes an
+  element, the widest), each tensor's elements times their size, a ``.pt``
+  record's storage -- adds up to more than :data:`MULTIPLE` times the
+  file's own size (tied weights, two names over one storage, count twice:
+  a model of one tied embedding uses 2x);
+- a tensor claims more elements than its storage holds (an expanded,
+  zero-stride tensor: nothing ddpctx saves, and materialising it is the
+  claimed size), or a storage more bytes than its record in the file;
+- it uses out-of-band buffers (``NEXT_BUFFER``), the extension registry,
+  or an opcode torch's unpickler does not know, or does not parse.
+
+So no reader allocates more than about ``MULTIPLE + 1`` times a file's size
+(the file itself, when it is read rather than mapped) before it decides.
+Sparse and nested tensors are not weighed (their sizes are tensors).
+
+Why one module: the opcodes' model and what each admitted global claims are
+one rule set, and DCP's ``.metadata`` is weighed by the same measure.
+
+Example:
+    >>> import pickle
+    >>> class Claim:
+    ...     def __reduce__(self):
+    ...         return bytearray, (3 << 30,)
+    >>> check_pickle(pickle.dumps({"step": 3}), 100, Path("a.pt"))  # fine
+    >>> try:
+    ...     check_pickle(pickle.dumps(Claim()), 100, Path("a.pt"))
+    ... except RefusedCheckpoint as error:
+    ...     print(str(error)[:49])
+    'a.pt' was refused: it holds builtins.bytearray()
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import pickletools
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from ddpctx.checkpoint.sums import Damaged, Recorded, RefusedCheckpoint
+
+#: What a file may claim to allocate, as a multiple of its own size (see the module docstring).
+MULTIPLE = 4
+#: What any file may claim however small it is (a checkpoint of a tiny model).
+FLOOR = 1 << 20
+
+_TENSORS = {
+    "torch._utils._rebuild_tensor",
+    "torch._utils._rebuild_tensor_v2",
+    "torch._utils._rebuild_tensor_v3",
+    "torch._utils._rebuild_qtensor",
+}
+_SHAPES = {  # no storage: the size is all they claim (materialised by an export)
+    "torch._utils._rebuild_meta_tensor_no_storage": 1,
+    "torch._utils._rebuild_wrapper_subclass": 2,
+}
+_HARMLESS = {  # callables whose int arguments allocate nothing
+    "collections.OrderedDict",
+    "collections.Counter",
+    "builtins.set",
+    "builtins.complex",
+    "torch.device",
+    "torch.serialization._get_layout",
+    "_codecs.encode",
+    "torch._utils._rebuild_parameter",
+    "torch._utils._rebuild_parameter_with_state",
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor",
+    "torch._utils._rebuild_device_tensor_from_numpy",
+    "torch._utils._rebuild_sparse_tensor",
+    "torch._utils._rebuild_nested_tensor",
+}
+_REFUSED_OPS = {"NEXT_BUFFER", "READONLY_BUFFER", "EXT1", "EXT2", "EXT4"}
+
+
+class _Global(str):
+    """A global a pickle names (``module.name``)."""
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """A ``.pt`` storage (a persistent id): its elements and their size in bytes."""
+
+    numel: int
+    itemsize: int
+
+
+class _Opaque:
+    """Any value the model does not follow (a dict, a tensor, an object)."""
+
+
+_OPAQUE = _Opaque()
+_MARK = object()
+
+
+class _Refused(Exception):
+    """What in the pickle is refused, said as a phrase."""
+
+
+@functools.cache
+def _itemsizes() -> dict[str, int]:
+    """``module.name`` -> element size, for every storage class and dtype torch's loader admits."""
+    sizes: dict[str, int] = {}
+    for name, thing in torch._weights_only_unpickler._get_allowed_globals().items():
+        dtype = thing if isinstance(thing, torch.dtype) else getattr(thing, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            sizes[name] = dtype.itemsize
+    return sizes
+
+
+def _ints(value: Any) -> list[int]:
+    """The ints of an argument: itself, or those of a tuple or list of ints (a size)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
+    return []
+
+
+def _size(value: Any, what: str) -> int:
+    """The elements a size (a tuple of non-negative ints) holds; refused if it is none."""
+    if not isinstance(value, (tuple, list)) or any(
+        isinstance(item, bool) or not isinstance(item, int) or item < 0 for item in value
+    ):
+        raise _Refused(f"a {what} whose size is not a tuple of non-negative ints")
+    return math.prod(value)
+
+
+class _Claims:
+    """The running total of what a pickle claims, against its budget."""
+
+    def __init__(self, budget: int, records: dict[str, int] | None) -> None:
+        self.budget = budget
+        self.total = 0
+        self.records = records
+
+    def add(self, size: int, what: str) -> None:
+        self.total += size
+        if self.total > self.budget:
+            raise _Refused(
+                f"{what}, bringing what it claims to {self.total} bytes, more than {MULTIPLE}x "
+                f"the file's size allows ({self.budget} bytes)"
+            )
+
+    def storage(self, pid: Any) -> Any:
+        """A persistent id: a ``.pt`` storage, its claimed bytes within its record."""
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            return _OPAQUE
+        _, kind, key, _, numel = pid
+        itemsize = _itemsizes().get(str(kind), 1) if isinstance(kind, _Global) else 1
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise _Refused(f"a storage of {numel!r:.40} elements")
+        if self.records is not None:
+            held = self.records.get(str(key))
+            if held is None or numel * itemsize > held:
+                raise _Refused(f"a storage of {numel * itemsize} bytes in a record of {held} bytes")
+        return _Storage(numel, itemsize)
+
+    def call(self, callee: Any, args: Any) -> Any:
+        """What calling ``callee`` with ``args`` claims; the result as the model follows it."""
+        if not isinstance(callee, _Global) or not isinstance(args, tuple):
+            return _OPAQUE
+        name = str(callee)
+        if name == "torch.Size":
+            return tuple(args[0]) if args and isinstance(args[0], (tuple, list)) else _OPAQUE
+        if name == "torch._tensor._rebuild_from_type_v2" and len(args) >= 3:
+            return self.call(args[0], args[2])
+        if name in _TENSORS:
+            storage = args[0] if args else None
+            if not isinstance(storage, _Storage) or len(args) < 4:
+                raise _Refused(f"a tensor ({name}) without a storage of the file")
+            elements = _size(args[2], "tensor")
+            if elements > storage.numel:
+                raise _Refused(
+                    f"a tensor of {elements} elements over a storage of {storage.numel} (an "
+                    "expanded, zero-stride tensor, which materialises at its full size)"
+                )
+            self.add(elements * storage.itemsize, f"a tensor of {elements} elements")
+            return _OPAQUE
+        if name in _SHAPES:
+            where = _SHAPES[name]
+            elements = _size(args[where] if len(args) > where else None, "tensor")
+            self.add(elements * 16, f"a tensor without storage of {elements} elements")
+            return _OPAQUE
+        if name not in _HARMLESS:  # bytearray(n), torch.FloatStorage(n), torch.Tensor(a, b)...
+            claimed = 16 * math.prod(max(0, n) for arg in args for n in _ints(arg))
+            self.add(claimed, f"{name}() of {claimed // 16} elements")
+        return _OPAQUE
+
+
+def _pop_mark(stack: list[Any], marks: list[int]) -> list[Any]:
+    if not marks:
+        raise _Refused("a pickle whose MARKs do not match")
+    start = marks.pop()
+    items = stack[start:]
+    del stack[start:]
+    return items
+
+
+def _pop(stack: list[Any], count: int = 1) -> list[Any]:
+    if len(stack) < count:
+        raise _Refused("a pickle that pops an empty stack")
+    items = stack[len(stack) - count :]
+    del stack[len(stack) - count :]
+    return items
+
+
+def _walk(data: bytes | memoryview, claims: _Claims) -> None:
+    """Follow the pickle's opcodes, adding up what it claims; :class:`_Refused` if refused."""
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    for opcode, arg, _ in pickletools.genops(io.BytesIO(data)):
+        name = opcode.name
+        if name in _REFUSED_OPS:
+            raise _Refused(f"the pickle opcode {name} (nothing torch.save or DCP writes)")
+        if name in ("PROTO", "FRAME", "STOP"):
+            continue
+        if name == "MARK":
+            marks.append(len(stack))
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(arg or 0)] = stack[-1] if stack else _OPAQUE
+        elif name == "MEMOIZE":
+            memo[len(memo)] = stack[-1] if stack else _OPAQUE
+        elif name in ("BINGET", "LONG_BINGET", "GET"):
+            stack.append(memo.get(int(arg or 0), _OPAQUE))
+        elif name in ("GLOBAL", "INST"):
+            module, _, attribute = str(arg).partition(" ")
+            if name == "INST":
+                claims.call(_Global(f"{module}.{attribute}"), tuple(_pop_mark(stack, marks)))
+                stack.append(_OPAQUE)
+            else:
+                stack.append(_Global(f"{module}.{attribute}"))
+        elif name == "STACK_GLOBAL":
+            module, attribute = _pop(stack, 2)
+            stack.append(_Global(f"{module}.{attribute}"))
+        elif name in ("REDUCE", "NEWOBJ"):
+            callee, args = _pop(stack, 2)
+            stack.append(claims.call(callee, args))
+        elif name == "NEWOBJ_EX":
+            callee, args, _ = _pop(stack, 3)
+            stack.append(claims.call(callee, args))
+        elif name == "OBJ":
+            items = _pop_mark(stack, marks)
+            stack.append(claims.call(items[0], tuple(items[1:])) if items else _OPAQUE)
+        elif name in ("BINPERSID", "PERSID"):
+            pid = _pop(stack)[0] if name == "BINPERSID" else arg
+            stack.append(claims.storage(pid))
+        else:
+            _plain(name, arg, stack, marks)
+
+
+def _plain(name: str, arg: Any, stack: list[Any], marks: list[int]) -> None:
+    """The opcodes that build plain values: constants, tuples, lists, dicts, sets."""
+    if name in ("TUPLE", "LIST"):
+        items = _pop_mark(stack, marks)
+        stack.append(tuple(items) if name == "TUPLE" else items)
+    elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+        stack.append(tuple(_pop(stack, int(name[-1]))))
+    elif name == "EMPTY_TUPLE":
+        stack.append(())
+    elif name == "EMPTY_LIST":
+        stack.append([])
+    elif name == "APPEND":
+        item = _pop(stack)[0]
+        if stack and isinstance(stack[-1], list):
+            stack[-1].append(item)
+    elif name == "APPENDS":
+        items = _pop_mark(stack, marks)
+        if stack and isinstance(stack[-1], list):
+            stack[-1].extend(items)
+    elif name in ("DICT", "FROZENSET"):
+        _pop_mark(stack, marks)
+        stack.append(_OPAQUE)
+    elif name in ("EMPTY_DICT", "EMPTY_SET"):
+        stack.append(_OPAQUE)
+    elif name in ("SETITEMS", "ADDITEMS"):
+        _pop_mark(stack, marks)
+    elif name == "SETITEM":
+        _pop(stack, 2)
+    elif name in ("BUILD", "POP"):
+        _pop(stack)
+    elif name == "POP_MARK":
+        _pop_mark(stack, marks)
+    elif name == "DUP":
+        stack.append(stack[-1] if stack else _OPAQUE)
+    elif name in ("NONE", "NEWTRUE", "NEWFALSE"):
+        stack.append({"NONE": None, "NEWTRUE": True, "NEWFALSE": False}[name])
+    elif name in _CONSTANTS:
+        stack.append(arg)
+    else:
+        raise _Refused(f"the pickle opcode {name} (nothing torch.save or DCP writes)")
+
+
+_CONSTANTS = {
+    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
+    "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE",
+    "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
+}  # fmt: skip
+
+
+def refusal(path: Path, what: str) -> RefusedCheckpoint:
+    """The error for a file that claims what it cannot hold (``what``), or does not read."""
+    return RefusedCheckpoint(
+        f"{str(path)!r} was refused: it holds {what}. No checkpoint ddpctx writes holds that, "
+        "and its checksum (if it has one) matched, so it was written so -- not torn. It was not "
+        "loaded, nor skipped for an older checkpoint (that would hide it). Move the checkpoint "
+        "out of the directory to resume from the one before it, or restore it from a copy you "
+        "trust."
+    )
+
+
+def check_pickle(
+    data: bytes | memoryview, size: int, path: Path, records: dict[str, int] | None = None
+) -> None:
+    """Refuse (:func:`refusal`) a pickle that claims more than ``size`` bytes of file allow.
+
+    ``size``: the bytes of the file the pickle is in; ``records``: a ``.pt``'s storage
+    records (key -> bytes) its persistent ids must fit in (None: no storages expected).
+    """
+    claims = _Claims(max(FLOOR, MULTIPLE * size), records)
+    try:
+        _walk(data, claims)
+    except _Refused as error:
+        raise refusal(path, str(error)) from None
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
+        said = f"a pickle that does not parse ({type(error).__name__}: {error})"
+        raise refusal(path, said) from None
+
+
+def check_torch_file(source: IO[bytes], size: int, path: Path) -> None:
+    """Refuse a torch zip file (a ``.pt``, or a shard entry: ``source``) that claims too much.
+
+    Reads the zip's directory and its ``data.pkl`` (at most ``MULTIPLE`` times ``size``
+    bytes) and nothing else. ``ValueError`` when it is no zip file (the caller decides
+    whether that is torn or refused).
+    """
+    try:
+        archive = zipfile.ZipFile(source)
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        raise ValueError(f"not a torch zip file ({error})") from error
+    with archive:
+        records: dict[str, int] = {}
+        pickles = []
+        for info in archive.infolist():
+            parts = info.filename.split("/")
+            if len(parts) == 3 and parts[1] == "data":
+                records[parts[2]] = info.file_size
+            elif len(parts) == 2 and parts[1] == "data.pkl":
+                pickles.append(info)
+        if len(pickles) != 1:
+            raise refusal(path, f"{len(pickles)} data.pkl records (a torch file has one)")
+        limit = max(FLOOR, MULTIPLE * size)
+        info = pickles[0]
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size > limit:
+            raise refusal(path, f"a data.pkl of {info.file_size} bytes, compressed in the file")
+        # Read as stored (torch writes it so), past its local header; zipfile's own reader
+        # would check a CRC-32 that torch's writer does not always record.
+        source.seek(info.header_offset)
+        header = source.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise ValueError("its data.pkl has no local header")
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        source.seek(info.header_offset + 30 + name_length + extra_length)
+        data = source.read(info.file_size)
+    check_pickle(data, size, path, records)
+
+
+def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorded] | None) -> None:
+    """Refuse a ``.metadata`` whose entries or tensors claim more than the shards hold.
+
+    Each entry must lie within its shard as the manifest records it; each tensor's
+    elements times their size must fit in the entries that hold its chunks (what a
+    reader allocates for it). Without a manifest, a shard shorter than its entries
+    is torn (``dcpread.short_shard``); the tensors are weighed all the same.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    held: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        fqn = getattr(index, "fqn", None)
+        held[str(fqn)] = held.get(str(fqn), 0) + int(info.length)
+        record = None if manifest is None else manifest.get(info.relative_path)
+        if manifest is not None and record is None:
+            raise Damaged(str(path), f"its manifest does not list {info.relative_path!r}")
+        if record is not None and info.offset + info.length > record.size:
+            raise refusal(
+                path,
+                f"an entry {str(fqn)!r:.80} at bytes {info.offset}-{info.offset + info.length} "
+                f"of {info.relative_path!r}, which holds {record.size} bytes",
+            )
+    state = getattr(metadata, "state_dict_metadata", None)
+    for fqn, stored in state.items() if isinstance(state, dict) else ():
+        if not isinstance(stored, TensorStorageMetadata):
+            continue
+        size = getattr(stored, "size", None)
+        dtype = getattr(getattr(stored, "properties", None), "dtype", None)
+        if not isinstance(size, tuple) or not isinstance(dtype, torch.dtype):
+            raise refusal(path, f"a tensor {str(fqn)!r:.80} without a size and dtype")
+        if any(not isinstance(n, int) or n < 0 for n in size):
+            raise refusal(path, f"a tensor {str(fqn)!r:.80} of size {size!r:.80}")
+        claimed = math.prod(size) * dtype.itemsize
+        if claimed > held.get(str(fqn), 0):
+            raise refusal(
+                path,
+                f"a tensor {str(fqn)!r:.80} of size {tuple(size)} ({claimed} bytes), and its "
+                f"entries in the shards hold {held.get(str(fqn), 0)} bytes",
+            )
