@@ -93,7 +93,10 @@ _REFUSED_OPS = {"NEXT_BUFFER", "READONLY_BUFFER", "EXT1", "EXT2", "EXT4"}
 
 
 class _Global(str):
-    """A global a pickle names (``module.name``)."""
+    """A global a pickle names (``module.name``; protocol 2's ``__builtin__`` as ``builtins``)."""
+
+    def __new__(cls, name: str) -> _Global:
+        return super().__new__(cls, name.replace("__builtin__.", "builtins.", 1))
 
 
 @dataclass(frozen=True)

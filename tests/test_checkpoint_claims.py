@@ -1,0 +1,206 @@
+"""A re-signed checkpoint that claims more than it holds is refused by every reader, cheaply.
+
+Each payload is put in the newest of two checkpoints and its checksums re-signed
+(as anyone can): a ``bytearray(50 GiB)`` or a ``torch.FloatStorage(50 Gi)`` in a
+``.pt``'s meta, a tensor rebuilt over a string, a model weight expanded to 50 GB
+over 4 bytes (zero strides), a ``.metadata`` that claims 50 GiB with
+``BINBYTES8``, one that is a ``torch.Size``, one giving the learning rate's
+entry a 50 GB length, one claiming a 50 GB tensor. Every reader runs under an
+address-space limit a few GiB above where it starts (a regression fails here,
+it cannot eat the machine), and must refuse naming the file -- never fall
+back to the older checkpoint, which is what it did before (the file was "torn").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import re
+import resource
+import shutil
+import struct
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddpctx import checkpoint_meta, load_weights
+from ddpctx.checkpoint.sums import SHARDED_MANIFEST, sidecar
+from ddpctx.checkpoint.weights import read_newest
+from ddpctx.cli import main as cli
+from tests.test_checkpoint_unsafe import forge_manifest, load_in_a_run, newest, saved
+
+__all__ = ["saved"]  # the fixture, shared with the unsafe-payload tests
+
+pytestmark = pytest.mark.timeout(180)
+HUGE = 50 << 30
+#: How far above its start a reader's address space may grow.
+HEADROOM = 3 << 30
+
+
+class Calls:
+    """Unpickled, it calls ``function(*args)`` (an allocation torch's allow-list admits)."""
+
+    def __init__(self, function: Any, *args: Any) -> None:
+        self.function, self.args = function, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.function, self.args
+
+
+DDP = {
+    "bytearray": lambda: Calls(bytearray, HUGE),
+    "storage": lambda: Calls(torch.FloatStorage, HUGE // 4),
+    "tensor-over-a-string": lambda: Calls(
+        torch._utils._rebuild_tensor_v2, "str", 0, (1,), (1,), False, OrderedDict()
+    ),
+}
+DCP = ["metadata-bytes8", "metadata-size", "entry-length", "tensor-size"]
+KINDS = [*DDP, "expanded", *DCP]
+READERS = ["checkpoint_meta", "load_weights", "export-safetensors", "load-2"]
+
+
+def tamper(folder: Path, kind: str) -> Path:
+    """Put the payload ``kind`` in the newest checkpoint, checksums re-signed; the carrier."""
+    checkpoint = newest(folder)
+    if kind in DDP or kind == "expanded":
+        state = torch.load(checkpoint, weights_only=False)
+        if kind == "expanded":
+            state["model"]["0.weight"] = torch.ones(1).expand(HUGE // 4)
+        else:
+            state["meta"]["note"] = DDP[kind]()
+        torch.save(state, checkpoint)
+        forge_manifest(sidecar(checkpoint), {})
+        return checkpoint
+    carrier = checkpoint / ".metadata"
+    metadata = pickle.loads(carrier.read_bytes())  # ours, as saved by the fixture
+    if kind == "metadata-bytes8":
+        carrier.write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", HUGE) + b"x" * 64 + b".")
+    elif kind == "metadata-size":
+        carrier.write_bytes(pickle.dumps(torch.Size([2, 3])))
+    elif kind == "entry-length":
+        index = next(i for i in metadata.storage_data if i.fqn.endswith("param_groups.0.lr"))
+        metadata.storage_data[index].length = HUGE
+        carrier.write_bytes(pickle.dumps(metadata))
+    else:
+        name = next(n for n in metadata.state_dict_metadata if n.endswith("0.weight"))
+        metadata.state_dict_metadata[name].size = torch.Size([HUGE // 4])
+        carrier.write_bytes(pickle.dumps(metadata))
+    forge_manifest(checkpoint / SHARDED_MANIFEST, {})  # whole files re-signed
+    return carrier
+
+
+def limited(read: Any, *args: Any) -> Any:
+    """``read(*args)`` with this process's address space limited to where it is + HEADROOM."""
+    status = Path("/proc/self/status").read_text()
+    here = int(next(line for line in status.splitlines() if line.startswith("VmSize:")).split()[1])
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (here * 1024 + HEADROOM, hard))
+    try:
+        return read(*args)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def one_reader(reader: str, folder: str) -> str:
+    """What ``reader`` said of ``folder`` in this process ('' when it read it, and what)."""
+    try:
+        if reader == "checkpoint_meta":
+            return f"read {checkpoint_meta(folder)}"
+        if reader == "load_weights":
+            return f"read {sorted(load_weights(folder))}"
+        target = Path(folder).parent / "model.safetensors"
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            code = cli(["export", folder, str(target)])
+        return said.getvalue() if code else f"exported {target}"
+    except Exception as error:
+        return str(error)
+
+
+def chosen_by(folder: str) -> str:
+    """The checkpoint every reader of one process decides on (or its refusal)."""
+    try:
+        found = read_newest(folder, lambda chosen: chosen.name)
+    except Exception as error:
+        return str(error)
+    return "" if found is None else found[1]
+
+
+def read_limited(reader: str, folder: str) -> str:
+    return str(limited(one_reader, reader, folder))
+
+
+def load_limited(folder: str, shard: bool) -> str:
+    return str(limited(load_in_a_run, folder, shard))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_resigned_checkpoint_claiming_more_than_it_holds_is_refused_by_every_reader(
+    saved: dict[str, Path], tmp_path: Path, run_distributed: Any, kind: str, reader: str
+) -> None:
+    shard = kind in DCP
+    folder = tmp_path / "run"
+    shutil.copytree(saved["dcp" if shard else "ddp"], folder)
+    carrier = tamper(folder, kind)
+    if reader == "load-2":
+        said = run_distributed(load_limited, str(folder), shard, world_size=2, timeout=120)
+    else:
+        said = run_distributed(read_limited, reader, str(folder), world_size=1, timeout=120)
+    for message in said:
+        assert "refused" in message, said
+        assert str(carrier) in message, said
+        assert "trying an older checkpoint" not in message, said
+
+
+def test_every_reader_decides_on_the_same_checkpoint_when_a_lr_entry_claims_50_gb(
+    saved: dict[str, Path], tmp_path: Path, run_distributed: Any
+) -> None:
+    # Before: checkpoint_meta/load_weights said step 2 (they read no lr), load_checkpoint step 1.
+    folder = tmp_path / "run"
+    shutil.copytree(saved["dcp"], folder)
+    carrier = tamper(folder, "entry-length")
+    decided = limited(chosen_by, str(folder))
+    loaded = run_distributed(load_limited, str(folder), True, world_size=2, timeout=120)
+    for said in (decided, *loaded):
+        assert "refused" in said, (decided, loaded)
+        assert str(carrier) in said, (decided, loaded)
+
+
+def test_a_claim_is_weighed_without_allocating_it() -> None:
+    from ddpctx.checkpoint.claims import check_torch_file
+    from ddpctx.checkpoint.files import RefusedCheckpoint
+
+    blob = io.BytesIO()
+    torch.save({"note": Calls(bytearray, HUGE)}, blob)
+    with pytest.raises(RefusedCheckpoint, match=r"builtins.bytearray\(\) of 53687091200"):
+        limited(check_torch_file, io.BytesIO(blob.getvalue()), len(blob.getvalue()), Path("a.pt"))
+
+
+def test_a_deleted_newest_pt_whose_manifest_stayed_is_said_naming_it(
+    saved: dict[str, Path], tmp_path: Path, run_distributed: Any
+) -> None:
+    # Before: every reader resumed from the older checkpoint without a word.
+    folder = tmp_path / "run"
+    shutil.copytree(saved["ddp"], folder)
+    lost = newest(folder)
+    lost.unlink()
+    with pytest.warns(RuntimeWarning, match=rf"{re.escape(str(lost))}' is missing though its"):
+        meta = checkpoint_meta(folder)
+    assert meta == {"epoch": 0}
+    said = run_distributed(warned_loading, str(folder), world_size=2, timeout=120)
+    assert any(lost.name in text for text in said[0]), said
+
+
+def warned_loading(folder: str) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_in_a_run(folder, False)
+    return [str(w.message) for w in caught]
