@@ -204,3 +204,14 @@ def warned_loading(folder: str) -> list[str]:
         warnings.simplefilter("always")
         load_in_a_run(folder, False)
     return [str(w.message) for w in caught]
+
+
+def test_a_legacy_format_entry_is_weighed_too() -> None:
+    # A pre-zip torch file (a DCP entry of an old writer) allocates each storage it claims.
+    from ddpctx.checkpoint.entries import weights_only_value
+    from ddpctx.checkpoint.files import RefusedCheckpoint
+
+    blob = io.BytesIO()
+    torch.save({"note": Calls(bytearray, HUGE)}, blob, _use_new_zipfile_serialization=False)
+    with pytest.raises(RefusedCheckpoint, match=r"s\.distcp' was refused: it holds builtins"):
+        limited(weights_only_value, io.BytesIO(blob.getvalue()), Path("s.distcp"), "w", True)

@@ -168,13 +168,15 @@ class _Claims:
 
     def storage(self, pid: Any) -> Any:
         """A persistent id: a ``.pt`` storage, its claimed bytes within its record."""
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
             return _OPAQUE
-        _, kind, key, _, numel = pid
+        _, kind, key, _, numel = pid[:5]  # a legacy file's have a sixth: a view's
         itemsize = _itemsizes().get(str(kind), 1) if isinstance(kind, _Global) else 1
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise _Refused(f"a storage of {numel!r:.40} elements")
-        if self.records is not None:
+        if self.records is None:  # a legacy file: the storage is allocated, then read
+            self.add(numel * itemsize, f"a storage of {numel * itemsize} bytes")
+        else:
             held = self.records.get(str(key))
             if held is None or numel * itemsize > held:
                 raise _Refused(f"a storage of {numel * itemsize} bytes in a record of {held} bytes")
@@ -229,12 +231,16 @@ def _pop(stack: list[Any], count: int = 1) -> list[Any]:
     return items
 
 
-def _walk(data: bytes | memoryview, claims: _Claims) -> None:
-    """Follow the pickle's opcodes, adding up what it claims; :class:`_Refused` if refused."""
+def _walk(data: bytes | memoryview | IO[bytes], claims: _Claims) -> None:
+    """Follow the pickle's opcodes, adding up what it claims; :class:`_Refused` if refused.
+
+    ``data``: the pickle, or a stream positioned at one (left just past its STOP).
+    """
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
-    for opcode, arg, _ in pickletools.genops(io.BytesIO(data)):
+    stream = io.BytesIO(data) if isinstance(data, (bytes, memoryview)) else data
+    for opcode, arg, _ in pickletools.genops(stream):
         name = opcode.name
         if name in _REFUSED_OPS:
             raise _Refused(f"the pickle opcode {name} (nothing torch.save or DCP writes)")
@@ -352,6 +358,19 @@ def check_pickle(
         raise refusal(path, said) from None
 
 
+def _check_legacy(source: IO[bytes], size: int, path: Path) -> None:
+    """A torch file of the legacy (pre-zip) format: its five pickles (magic number,
+    protocol, system info, the data, the storage keys), each storage weighed as allocated."""
+    claims = _Claims(max(FLOOR, MULTIPLE * size), None)
+    try:
+        for _ in range(5):
+            _walk(source, claims)
+    except _Refused as error:
+        raise refusal(path, str(error)) from None
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
+        raise ValueError(f"not a torch file ({type(error).__name__}: {error})") from error
+
+
 def check_torch_file(source: IO[bytes], size: int, path: Path) -> None:
     """Refuse a torch zip file (a ``.pt``, or a shard entry: ``source``) that claims too much.
 
@@ -362,7 +381,12 @@ def check_torch_file(source: IO[bytes], size: int, path: Path) -> None:
     try:
         archive = zipfile.ZipFile(source)
     except (zipfile.BadZipFile, OSError, EOFError) as error:
-        raise ValueError(f"not a torch zip file ({error})") from error
+        source.seek(0)
+        if source.read(2) != b"\x80\x02":
+            raise ValueError(f"not a torch file ({error})") from error
+        source.seek(0)
+        _check_legacy(source, size, path)
+        return
     with archive:
         records: dict[str, int] = {}
         pickles = []
