@@ -215,3 +215,28 @@ def test_a_legacy_format_entry_is_weighed_too() -> None:
     torch.save({"note": Calls(bytearray, HUGE)}, blob, _use_new_zipfile_serialization=False)
     with pytest.raises(RefusedCheckpoint, match=r"s\.distcp' was refused: it holds builtins"):
         limited(weights_only_value, io.BytesIO(blob.getvalue()), Path("s.distcp"), "w", True)
+
+
+def saves_and_loads_a_broadcast_buffer(folder: str) -> list[float]:
+    import ddpctx
+
+    ctx = ddpctx.current()
+    assert ctx is not None
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("scale", torch.full((1,), 3.0).expand(1000))
+    ctx.save_checkpoint(folder, model=model, epoch=0)
+    model.scale = torch.zeros(1000)
+    meta = ctx.load_checkpoint(folder, model=model)
+    assert meta is not None
+    assert meta["epoch"] == 0, meta
+    return [float(model.scale.sum()), float(load_weights(folder)["scale"].sum())]
+
+
+def test_a_small_expanded_buffer_a_user_saved_still_loads(
+    tmp_path: Path, run_distributed: Any
+) -> None:
+    # An expanded tensor is weighed at its full size, not refused for being expanded.
+    folder = str(tmp_path / "run")
+    assert run_distributed(saves_and_loads_a_broadcast_buffer, folder, world_size=1) == [
+        [3000.0, 3000.0]
+    ]

@@ -17,9 +17,9 @@ bytes there) with a small model of the unpickler's stack, and refuses
   record's storage -- adds up to more than :data:`MULTIPLE` times the
   file's own size (tied weights, two names over one storage, count twice:
   a model of one tied embedding uses 2x);
-- a tensor claims more elements than its storage holds (an expanded,
-  zero-stride tensor: nothing ddpctx saves, and materialising it is the
-  claimed size), or a storage more bytes than its record in the file;
+- a storage claims more bytes than its record in the file (an expanded,
+  zero-stride tensor is weighed at its full size, which an export
+  materialises: a small broadcast buffer loads, a 50 GB one is refused);
 - it uses out-of-band buffers (``NEXT_BUFFER``), the extension registry,
   or an opcode torch's unpickler does not know, or does not parse.
 
@@ -196,12 +196,12 @@ class _Claims:
             if not isinstance(storage, _Storage) or len(args) < 4:
                 raise _Refused(f"a tensor ({name}) without a storage of the file")
             elements = _size(args[2], "tensor")
+            # An expanded (zero-stride) tensor counts at its full size: an export materialises it.
+            # A small one is a user's to save (a broadcast buffer); a huge one fails the budget.
+            what = f"a tensor of {elements} elements"
             if elements > storage.numel:
-                raise _Refused(
-                    f"a tensor of {elements} elements over a storage of {storage.numel} (an "
-                    "expanded, zero-stride tensor, which materialises at its full size)"
-                )
-            self.add(elements * storage.itemsize, f"a tensor of {elements} elements")
+                what += f" over a storage of {storage.numel} (expanded, materialised at full size)"
+            self.add(elements * storage.itemsize, what)
             return _OPAQUE
         if name in _SHAPES:
             where = _SHAPES[name]
