@@ -6,6 +6,7 @@ Real ranks from the plugin's pool, a real gloo group, real directories on disk.
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import random
 import signal
@@ -28,6 +29,7 @@ from ddpctx import DistContext, RankError, current
 from ddpctx.checkpoint import sharded
 from ddpctx.utils.atomic import _HOST
 from tests.helpers import checkpoint_names
+from tests.test_checkpoint import the_same_on_every_rank
 
 
 def context() -> DistContext:
@@ -483,3 +485,48 @@ def test_rank_state_comes_back_to_its_rank_from_a_sharded_checkpoint(
     folder = dist_ctx.broadcast(str(tmp_path)) + "/run"
     draws = dist_ctx.all_gather(_rank_state_round_trip(folder))
     assert draws[0] != draws[1]  # each rank got its own generator back, not rank 0's
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_a_sharded_checkpoint_directory_that_cannot_be_made_is_the_same_oserror_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    # Found in use: OSError on rank 0 but RankZeroError on rank 1, so the documented
+    # `except OSError:` fallback failed there. A parent that is a regular file stops root too
+    # (CI runs as root, where a directory's mode 0o555 stops nothing).
+    (tmp_path / "a-file").write_text("not a directory")
+    directory = tmp_path / "a-file" / "checkpoints"
+    model = dist_ctx.shard(tiny_model())
+    with pytest.raises(NotADirectoryError) as caught:
+        dist_ctx.save_checkpoint(directory, model=model, step=1)
+    assert caught.value.errno == errno.ENOTDIR
+    assert "a-file" in str(caught.value)
+    the_same_on_every_rank(dist_ctx, caught.value)
+    if dist_ctx.rank:
+        assert any("raised on rank 0" in note for note in caught.value.__notes__)
+    assert dist_ctx.save_checkpoint(tmp_path / "fallback", model=model, step=1).is_dir()
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_a_sharded_checkpoint_rank_0_cannot_publish_is_the_same_oserror_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    # Publishing is rank 0's alone (ddpctx.pt, the manifest, the rename): a file system gone
+    # read-only by then raised OSError on rank 0 and RankZeroError on rank 1.
+    model = dist_ctx.shard(tiny_model())
+    real_rename = os.rename
+
+    def read_only(source: Any, target: Any) -> None:
+        if not Path(target).name.startswith("checkpoint-"):  # DCP's own renames go on
+            return real_rename(source, target)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(target))
+
+    os.rename = read_only  # the publishing rename, rank 0's alone
+    try:
+        with pytest.raises(OSError, match="Read-only file system") as caught:
+            dist_ctx.save_checkpoint(tmp_path / "run", model=model, step=1)
+    finally:
+        os.rename = real_rename
+    assert caught.value.errno == errno.EROFS
+    the_same_on_every_rank(dist_ctx, caught.value)
+    assert checkpoint_names(tmp_path / "run") == []  # nothing published, no temporary kept
