@@ -293,6 +293,7 @@ class ModelFaces:
         The norm is the whole model's, also for a sharded model (the same
         number on every rank, equal to the unsharded computation). Under
         ``precision="16-mixed"`` call ``ctx.scaler.unscale_(optimizer)`` first.
+        Refused inside rank-zero work (:mod:`ddpctx.parallel.guards`).
 
         >>> from ddpctx import distributed
         >>> with distributed() as ctx:
