@@ -28,6 +28,7 @@ from ddpctx import (
     all_reduced,
     distributed,
     launch,
+    rank_zero_only,
     reduce_tensor,
     set_seed,
 )
@@ -59,6 +60,8 @@ class Row:
     says: str  # a fragment of the message: the value, and the fix
     call: Callable[[Path], Any]
     environ: dict[str, str] = field(default_factory=dict)
+    #: Run first, untimed: torch's one-time costs (a first DDP or FSDP2 model takes seconds).
+    warm: Callable[[Path], Any] | None = None
 
 
 def enter(**kwargs: Any) -> Callable[[Path], Any]:
@@ -151,6 +154,33 @@ def file_in_the_way(ctx: Any, tmp: Path) -> None:
 def file_as_checkpoint_directory(ctx: Any, tmp: Path) -> None:
     (tmp / "afile").write_text("not a directory")
     ctx.save_checkpoint(tmp / "afile", model=torch.nn.Linear(1, 1))
+
+
+def clip_in_rank_zero_work(ctx: Any, tmp: Path) -> None:
+    model = ctx.wrap(torch.nn.Linear(2, 1))
+    model(torch.ones(1, 2)).sum().backward()
+    with ctx.rank_zero() as main:
+        if main:
+            ctx.clip_grad_norm_(model, max_norm=1.0)
+
+
+def first_parallel_model(ctx: Any, tmp: Path) -> None:
+    ctx.wrap(torch.nn.Linear(2, 1))
+    ctx.shard(torch.nn.Linear(2, 1))
+
+
+def forward_in_rank_zero_work(how: str) -> Callable[[Any, Path], None]:
+    def call(ctx: Any, tmp: Path) -> None:
+        layer = torch.nn.Sequential(torch.nn.Linear(2, 1))
+        model = ctx.wrap(layer) if how == "wrap" else ctx.shard(layer)
+
+        @rank_zero_only(barrier=True)
+        def sample() -> None:
+            model(torch.ones(1, 2))
+
+        sample()
+
+    return call
 
 
 def changed_data(tmp: Path) -> None:
@@ -667,6 +697,30 @@ ROWS = [
         in_context(file_as_checkpoint_directory),
     ),
     Row(
+        "rank-zero work",
+        "ctx.clip_grad_norm_ of a ctx.wrap model inside ctx.rank_zero()",
+        RuntimeError,
+        "rank 0's gradients alone would be scaled",
+        in_context(clip_in_rank_zero_work),
+        warm=in_context(first_parallel_model),
+    ),
+    Row(
+        "rank-zero work",
+        "the forward of a ctx.wrap model inside @rank_zero_only",
+        RuntimeError,
+        "Call the bare module there, which runs no collective: ctx.unwrap(model)(x)",
+        in_context(forward_in_rank_zero_work("wrap")),
+        warm=in_context(first_parallel_model),
+    ),
+    Row(
+        "rank-zero work",
+        "the forward of a ctx.shard model inside @rank_zero_only",
+        RuntimeError,
+        "A sharded model has no forward one rank can run alone",
+        in_context(forward_in_rank_zero_work("shard")),
+        warm=in_context(first_parallel_model),
+    ),
+    Row(
         "atomic_dir",
         "a path that is a file",
         FileExistsError,
@@ -689,6 +743,8 @@ def test_bad_input_gets_a_clear_error_quickly(
 ) -> None:
     for name, value in row.environ.items():
         monkeypatch.setenv(name, value)
+    if row.warm is not None:
+        row.warm(tmp_path)
     started = time.monotonic()
     with pytest.raises(row.error, match=re.escape(row.says)):
         row.call(tmp_path)

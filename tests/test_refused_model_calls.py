@@ -135,6 +135,88 @@ def test_loading_a_wrapped_model_inside_rank_zero_work_is_refused_on_every_rank(
 
 
 @pytest.mark.distributed(world_size=2, timeout=60)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_clipping_a_ddp_model_inside_rank_zero_work_is_refused_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path, form: str
+) -> None:
+    # Found in use: accepted; rank 0's gradients alone were clipped and after
+    # optimizer.step() the replicas differed (by up to 2.94), with no error anywhere.
+    model = dist_ctx.wrap(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.full((2, 4), 10.0)).sum().backward()  # a norm far over max_norm below
+
+    def clip(ctx: DistContext) -> None:
+        ctx.clip_grad_norm_(model, max_norm=0.1)
+
+    expected = RuntimeError if dist_ctx.rank == 0 else RankZeroError
+    error = refused_at_once(lambda: in_form(form, dist_ctx, clip, tmp_path), expected)
+    assert f"ctx.clip_grad_norm_() was called {FORMS[form]}" in str(error), str(error)
+    assert "test_refused_model_calls.py" in str(error)
+    assert "before or after the rank-zero work, on every rank" in str(error)
+    optimizer.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = dist_ctx.all_gather(weights)
+    assert all(torch.equal(theirs, everyone[0]) for theirs in everyone)  # replicas agree
+
+
+def forward_of(model: nn.Module) -> torch.Tensor:
+    return model(torch.ones(2, 4))  # the refused line
+
+
+#: ``file:line`` of the forward in :func:`forward_of`, which the refusal names.
+FORWARD_LINE = f"test_refused_model_calls.py:{forward_of.__code__.co_firstlineno + 1}"
+
+
+def with_buffers(ctx: DistContext, how: str) -> nn.Module:
+    """A model with buffers (DDP broadcasts them in each forward), wrapped or sharded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    return ctx.wrap(model) if how == "ctx.wrap()" else ctx.shard(model, blocks=[nn.Linear])
+
+
+@pytest.mark.distributed(world_size=2, timeout=60, init=False)
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("how", ["ctx.wrap()", "ctx.shard()"])
+def test_a_parallel_models_forward_inside_rank_zero_work_is_refused_at_once_naming_the_line(
+    tmp_path: Path, how: str, form: str
+) -> None:
+    # Found in use: under DDP the job ended after 8-11 s with rank 1 blamed (SIGABRT, gloo's
+    # "collective mismatch"); a sharded model waited for the collective timeout.
+    with ddpctx.distributed(timeout=TIMEOUT_S) as ctx:
+        model = with_buffers(ctx, how)
+        expected = RuntimeError if ctx.rank == 0 else RankZeroError
+        error = refused_at_once(
+            lambda: in_form(form, ctx, lambda c: forward_of(model), tmp_path), expected
+        )
+        kind = "a DDP model" if how == "ctx.wrap()" else "a sharded model"
+        assert f"the forward of {kind} (model(...)) was called {FORMS[form]}" in str(error)
+        assert FORWARD_LINE in str(error), str(error)  # rank 0's line, on every rank
+        fix = "ctx.unwrap(model)(x)" if how == "ctx.wrap()" else "ctx.full_state_dict(model)"
+        assert fix in str(error), str(error)
+        forward_of(model).sum().backward()  # still in step: every rank runs the model
+        assert ctx.all_reduce(1.0, op="sum") == float(ctx.world_size)
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_the_bare_module_of_a_ddp_model_runs_in_rank_zero_work_and_the_replicas_stay_equal(
+    dist_ctx: DistContext,
+) -> None:
+    # Sample generation on rank 0 (nanoGPT's raw_model): no collective, so it is allowed.
+    model = with_buffers(dist_ctx, "ctx.wrap()")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dist_ctx.rank_zero() as main:
+        if main:
+            with torch.no_grad():
+                assert dist_ctx.unwrap(model)(torch.ones(2, 4)).shape == (2, 1)
+                assert model.module(torch.ones(2, 4)).shape == (2, 1)
+    forward_of(model).sum().backward()
+    optimizer.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = dist_ctx.all_gather(weights)
+    assert all(torch.equal(theirs, everyone[0]) for theirs in everyone)
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
 @pytest.mark.parametrize("how", ["ctx.wrap()", "ctx.shard()"])
 def test_making_a_model_parallel_inside_rank_zero_work_is_refused_on_every_rank(
     dist_ctx: DistContext, how: str
@@ -154,7 +236,7 @@ def test_a_model_collective_in_rank_zero_work_is_refused_on_one_process_too(
     tmp_path: Path,
 ) -> None:
     """The same script fails the same way at every world size; a DDP model's own copy
-    (``full_state_dict``, clipping: nothing is sent) still runs there."""
+    (``full_state_dict``) and its bare module's forward (nothing is sent) still run there."""
     with ddpctx.distributed() as ctx:
         model = ctx.wrap(nn.Linear(2, 1))
         model(torch.ones(1, 2)).sum().backward()
@@ -162,7 +244,11 @@ def test_a_model_collective_in_rank_zero_work_is_refused_on_one_process_too(
         with ctx.rank_zero() as main:
             if main:
                 assert sorted(ctx.full_state_dict(model)) == ["bias", "weight"]
-                assert ctx.clip_grad_norm_(model, max_norm=1e9) > 0
+                assert ctx.unwrap(model)(torch.ones(1, 2)).shape == (1, 1)  # the bare module
+                with pytest.raises(RuntimeError, match=r"ctx.clip_grad_norm_\(\) was called"):
+                    ctx.clip_grad_norm_(model, max_norm=1e9)
+                with pytest.raises(RuntimeError, match=r"the forward of a DDP model"):
+                    model(torch.ones(1, 2))
                 with pytest.raises(RuntimeError, match=r"ctx.load_checkpoint\(\) was called"):
                     ctx.load_checkpoint(tmp_path, model=model)
                 with pytest.raises(RuntimeError, match=r"ctx.wrap\(\) was called"):
@@ -191,3 +277,25 @@ def test_a_sharded_gather_on_rank_0_alone_is_a_hang_error_under_debug_mode_not_s
     message = str(raised.value)
     assert f"{call} at tests/test_refused_model_calls.py:" in message, message
     assert "barrier at tests/test_refused_model_calls.py:" in message, message
+
+
+@pytest.mark.parametrize("how", ["ctx.wrap()", "ctx.shard()"])
+def test_a_compiled_models_forward_is_refused_in_rank_zero_work_and_runs_outside(how: str) -> None:
+    """Dynamo traces the check (no graph break, see test_compile): it still refuses."""
+    with ddpctx.distributed() as ctx:
+        layer = nn.Sequential(nn.Linear(4, 1))
+        options = {"backend": "eager"}
+        model = (
+            ctx.wrap(layer, compile=options)
+            if how == "ctx.wrap()"
+            else ctx.shard(layer, compile=options)
+        )
+        assert forward_of(model).shape == (2, 1)
+        with ctx.rank_zero() as main:
+            if main:
+                with pytest.raises(
+                    RuntimeError, match=r"the forward of a .* model \(model"
+                ) as error:
+                    forward_of(model)
+                assert FORWARD_LINE in str(error.value), str(error.value)
+        assert forward_of(model).shape == (2, 1)

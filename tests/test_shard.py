@@ -251,7 +251,12 @@ def test_the_default_precision_changes_nothing() -> None:
         model = ctx.wrap(tiny_model())
         assert ctx.precision == "32"
         assert not ctx.scaler.is_enabled()
-        assert model.forward.__func__ is type(model).forward  # type: ignore[attr-defined]
+        autocast: list[bool] = []
+        model.module.register_forward_pre_hook(
+            lambda *_: autocast.append(torch.is_autocast_enabled("cpu"))
+        )
+        assert model(torch.ones(2, 6)).dtype == torch.float32
+        assert autocast == [False]  # the forward runs as the model's own, no autocast around it
 
 
 @pytest.mark.distributed(world_size=2, timeout=90, init=False)

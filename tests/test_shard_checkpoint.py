@@ -6,10 +6,13 @@ Real ranks from the plugin's pool, a real gloo group, real directories on disk.
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import random
 import signal
+import socket
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,8 @@ from torch.utils.data import Dataset
 from ddpctx import DistContext, RankError, current
 from ddpctx.checkpoint import sharded
 from ddpctx.utils.atomic import _HOST
-from tests.helpers import checkpoint_names
+from tests.helpers import REPO, checkpoint_names, child_env, patience
+from tests.test_checkpoint import the_same_on_every_rank
 
 
 def context() -> DistContext:
@@ -483,3 +487,102 @@ def test_rank_state_comes_back_to_its_rank_from_a_sharded_checkpoint(
     folder = dist_ctx.broadcast(str(tmp_path)) + "/run"
     draws = dist_ctx.all_gather(_rank_state_round_trip(folder))
     assert draws[0] != draws[1]  # each rank got its own generator back, not rank 0's
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_a_sharded_checkpoint_directory_that_cannot_be_made_is_the_same_oserror_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    # Found in use: OSError on rank 0 but RankZeroError on rank 1, so the documented
+    # `except OSError:` fallback failed there. A parent that is a regular file stops root too
+    # (CI runs as root, where a directory's mode 0o555 stops nothing).
+    (tmp_path / "a-file").write_text("not a directory")
+    directory = tmp_path / "a-file" / "checkpoints"
+    model = dist_ctx.shard(tiny_model())
+    with pytest.raises(NotADirectoryError) as caught:
+        dist_ctx.save_checkpoint(directory, model=model, step=1)
+    assert caught.value.errno == errno.ENOTDIR
+    assert "a-file" in str(caught.value)
+    the_same_on_every_rank(dist_ctx, caught.value)
+    if dist_ctx.rank:
+        assert any("raised on rank 0" in note for note in caught.value.__notes__)
+    assert dist_ctx.save_checkpoint(tmp_path / "fallback", model=model, step=1).is_dir()
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_a_sharded_checkpoint_rank_0_cannot_publish_is_the_same_oserror_on_every_rank(
+    dist_ctx: DistContext, tmp_path: Path
+) -> None:
+    # Publishing is rank 0's alone (ddpctx.pt, the manifest, the rename): a file system gone
+    # read-only by then raised OSError on rank 0 and RankZeroError on rank 1.
+    model = dist_ctx.shard(tiny_model())
+    real_rename = os.rename
+
+    def read_only(source: Any, target: Any) -> None:
+        if not Path(target).name.startswith("checkpoint-"):  # DCP's own renames go on
+            return real_rename(source, target)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(target))
+
+    os.rename = read_only  # the publishing rename, rank 0's alone
+    try:
+        with pytest.raises(OSError, match="Read-only file system") as caught:
+            dist_ctx.save_checkpoint(tmp_path / "run", model=model, step=1)
+    finally:
+        os.rename = real_rename
+    assert caught.value.errno == errno.EROFS
+    the_same_on_every_rank(dist_ctx, caught.value)
+    assert checkpoint_names(tmp_path / "run") == []  # nothing published, no temporary kept
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow  # starts its own rank processes
+@pytest.mark.parametrize(("how", "world"), [("kill", 2), ("kill", 3), ("interrupt", 2)])
+def test_a_rank_that_leaves_mid_sharded_load_is_named_by_the_others(
+    tmp_path: Path, how: str, world: int
+) -> None:
+    # Found in use: the survivor ended within 0.6-3.2 s with gloo's "Connection closed by peer
+    # [127.0.0.1]:41203" and no rank named. And rank 1's own Ctrl-C became "DCP could not read
+    # the shards ... (rank 0: KeyboardInterrupt)", blaming its files.
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(LEFT_MID_LOAD), str(tmp_path), how],
+            cwd=REPO,
+            env=child_env(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    try:
+        errors = [rank.communicate(timeout=patience(120))[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert ranks[1].returncode == -(signal.SIGKILL if how == "kill" else signal.SIGINT)
+    if how == "interrupt":
+        assert "KeyboardInterrupt" in errors[1], errors[1][-2000:]
+        assert "could not read the shards" not in errors[1]  # an interrupt, not its files
+    for rank in [0, *range(2, world)]:
+        assert ranks[rank].returncode == 1, errors[rank][-2000:]
+        took, said = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert said.startswith("RuntimeError: rank 1 left the job while the ranks loaded '"), said
+        assert "checkpoint-000001-step1.dcp" in said
+        assert "the checkpoint itself is intact" in said
+        assert float(took) < patience(30)  # the roll call's wait, far under the timeout
+
+
+LEFT_MID_LOAD = REPO / "tests" / "scripts" / "left_mid_load.py"

@@ -23,6 +23,11 @@ directory to its final name. A crash at any point leaves a temporary
 that is never chosen (and that a later save removes once its writer is
 provably gone), so the previous checkpoint stays the newest loadable one.
 ``keep=N`` prunes the older directories, never the newest that loads.
+A failed write raises an ``OSError`` on every rank alike (a read-only or
+unmakeable directory, a full disk): what rank 0 does alone (making the
+temporary, publishing) goes through
+:func:`~ddpctx.checkpoint.writefailures.written_by_rank_zero`, DCP's own
+failures through :func:`~ddpctx.checkpoint.writefailures.as_os_error`.
 
 Loading is :mod:`ddpctx.checkpoint.shardload`: the newest directory that is
 whole as every rank reads it (each rank verifies the files and entries it
@@ -75,7 +80,7 @@ from ddpctx.checkpoint.sums import (
     tiles,
     write_manifest,
 )
-from ddpctx.checkpoint.writefailures import as_os_error, is_write_failure
+from ddpctx.checkpoint.writefailures import as_os_error, is_write_failure, written_by_rank_zero
 from ddpctx.checkpoint.writerlock import Claims
 from ddpctx.data.book import LoaderBook
 from ddpctx.parallel.sharding import sharding_of
@@ -209,7 +214,7 @@ def prepare(
         temporary.mkdir()
         return str(final), str(temporary)
 
-    _, (final, temporary) = on_rank_zero(place, begin, broadcast=True)
+    final, temporary = written_by_rank_zero(place, begin)  # an OSError: on every rank
     return Prepared(directory, Path(temporary), Path(final), keep, state)
 
 
@@ -266,7 +271,7 @@ def finish(place: Place, prepared: Prepared, parts: list[dict[str, Recorded]]) -
         prune_dirs(prepared.directory, prepared.keep, final)
         return final
 
-    _, path = on_rank_zero(place, publish, broadcast=True)
+    path = written_by_rank_zero(place, publish)  # an OSError (a full disk): on every rank
     return Path(path)
 
 

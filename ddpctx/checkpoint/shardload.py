@@ -20,6 +20,10 @@ Then, newest first (:mod:`ddpctx.checkpoint.together`):
    entry on any rank send every rank on to the next older checkpoint
    together (the model's state is written again by that one).
 
+A rank interrupted while reading (Ctrl-C, SIGTERM) raises its interrupt, not
+a read failure; a rank that leaves so, or is killed, is named by the others
+in the vote they wait in (:func:`ddpctx.checkpoint.together.agree`).
+
 What is restored, and at which world size, is as before: the shards into the
 model and optimizer at *this* world size (DCP reshards), the rest from
 ``ddpctx.pt`` as :mod:`ddpctx.checkpoint.resume` does for single-file
@@ -217,6 +221,8 @@ def _read_shards(
     try:
         _load_state_dict(shards, storage_reader=Reader(path, metadata, recorded), no_dist=True)
     except CheckpointException as error:  # DCP wraps what its reader raised: say it plainly
+        if (interrupt := _interrupt_of(error)) is not None:
+            raise interrupt from None  # Ctrl-C stays Ctrl-C: this rank leaves, the others name it
         if (cause := cause_of(error)) is not None:
             raise cause from None
         # a BaseException: as an Exception, it reaches the other ranks through the vote
@@ -226,6 +232,16 @@ def _read_shards(
             "readable on this rank's host (permissions, the file system's mount), or move "
             "this checkpoint away to resume from an older one."
         ) from error
+
+
+def _interrupt_of(error: BaseException) -> BaseException | None:
+    """A ``KeyboardInterrupt`` (or ``SystemExit``: SIGTERM) among DCP's wrapped failures."""
+    failures = getattr(error, "failures", None)
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, BaseException) and not isinstance(cause, Exception):
+            return cause
+    return None
 
 
 def _restore_rest(

@@ -19,6 +19,10 @@ checkpoint from the newest:
 A sharded checkpoint's shards are read after that agreement, and what the
 ranks found reading them is agreed the same way (a second vote).
 
+A rank killed or interrupted while the others wait in a vote is named by
+them (:mod:`ddpctx.reduce.rollcall`), not left to the transport's "Connection
+closed by peer".
+
 This module knows ranks only through a :class:`~ddpctx.utils.identity.Place`.
 
 Example:
@@ -36,6 +40,7 @@ from typing import TypeVar
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.sums import Damaged, Torn, damaged_warning, remember_damaged
 from ddpctx.reduce.objects import all_gather_rare
+from ddpctx.reduce.rollcall import ROLL_CALL_S, is_peer_gone, missing_ranks, who_left_text
 from ddpctx.utils.identity import Place
 from ddpctx.utils.warn import warn_user
 
@@ -83,7 +88,7 @@ def read_together(
     except Exception as error:
         failure = error
         found = Finding("failed", "", f"{type(error).__name__}: {error}")
-    findings = agree(place, found)
+    findings = agree(place, found, where)
     if failure is not None:
         raise failure
     if not whole(place, where, manifest, findings):
@@ -91,13 +96,49 @@ def read_together(
     return True, value
 
 
-def agree(place: Place, mine: Finding | None) -> dict[int, Finding]:
+def agree(place: Place, mine: Finding | None, where: Path | None = None) -> dict[int, Finding]:
     """Every rank's finding, rank -> finding, for the ranks that found one.
 
     One 1-element collective when no rank found anything; a gather after it otherwise.
+    A rank that left meanwhile (killed, interrupted) is named: :func:`lost_rank`.
     """
-    everyone = [mine] if place.world_size == 1 else all_gather_rare(mine)
+    if place.world_size == 1:
+        return {} if mine is None else {place.rank: mine}
+    try:
+        everyone = all_gather_rare(mine)
+    except Exception as error:
+        if not is_peer_gone(error):
+            raise
+        raise lost_rank(place, where, error) from error
     return {rank: found for rank, found in enumerate(everyone) if found is not None}
+
+
+def lost_rank(place: Place, where: Path | None, error: BaseException) -> RuntimeError:
+    """The error of a vote whose peer went away, naming the rank(s) that left.
+
+    Keeps the transport's words (they mark it as a consequence of another
+    rank's failure for the reports of ``launch()`` and the pytest plugin).
+    """
+    missing = missing_ranks(place.rank, place.world_size)
+    loading = "a checkpoint" if where is None else repr(str(where))
+    if missing:
+        who = who_left_text(missing)
+        them = "it" if len(missing) == 1 else "they"
+        said = (
+            f"{who} left the job while the ranks loaded {loading}: {them} did not answer a "
+            f"roll call within {ROLL_CALL_S:g} s after rank {place.rank}'s vote lost its "
+            f"connection ({them} was killed, interrupted or crashed -- see {who}'s own log "
+            "and exit status -- or is stuck where it cannot answer)."
+        )
+    else:
+        said = (
+            f"a rank left the job while the ranks loaded {loading} (which one could not be "
+            "told: the job's store is unreachable too)."
+        )
+    return RuntimeError(
+        f"{said} No rank loaded it; the checkpoint itself is intact: start the job again "
+        f"on every rank to resume from it. The connection's error on rank {place.rank}: {error}"
+    )
 
 
 def whole(place: Place, where: Path, manifest: Path, findings: dict[int, Finding]) -> bool:

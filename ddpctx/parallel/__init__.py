@@ -9,6 +9,8 @@
 - :mod:`~ddpctx.parallel.clipping`: clipping by the whole model's norm, DDP or sharded.
 - :mod:`~ddpctx.parallel.buckets`: DDP's gradient-bucket layout, saved and given back on resume.
 - :mod:`~ddpctx.parallel.compiling`: ``compile=``, ``torch.compile`` in place, in torch's order.
+- :mod:`~ddpctx.parallel.guards`: the session's guards: collectives, and a forward or DDP clip
+  in rank-zero work.
 - :mod:`~ddpctx.parallel.faces`: ``ctx.wrap``, ``ctx.shard``, ``ctx.unwrap``, ``ctx.no_sync``,
   ``ctx.accumulate``, ``ctx.precision``, ``ctx.autocast``, ``ctx.scaler``,
   ``ctx.clip_grad_norm_``, ``ctx.full_state_dict``, ``ctx.mesh``, ``ctx.parallel_mesh``.

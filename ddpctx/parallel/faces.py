@@ -18,13 +18,17 @@ parallel too) as one wait each, since torch makes their gathers out of its
 sight (:meth:`ddpctx.hang.watchdog.Doctor.wait_in`); ``wrap``, ``shard`` and
 ``parallel_mesh`` are not (a big model takes minutes to start, which is no
 hang), their ``torch.distributed`` collectives are tracked one by one.
+
+Rank-zero work may not run those models' forward, nor clip a DDP model
+(no collective, but rank 0's gradients alone would change): refused through
+the session's :attr:`ModelFaces._refuse_alone` (:mod:`ddpctx.parallel.guards`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -35,6 +39,7 @@ from torch.utils.data import DataLoader
 from ddpctx.parallel.accumulate import Accumulation, no_sync
 from ddpctx.parallel.clipping import clip_grad_norm
 from ddpctx.parallel.compiling import CompileSetting, compile_in_place, compile_options
+from ddpctx.parallel.guards import CLIP_WHY, CollectiveCall, Refuse, guard_forward
 from ddpctx.parallel.precision import Precision
 from ddpctx.parallel.sharding import (
     DEFAULT_MIN_PARAMS,
@@ -53,20 +58,6 @@ from ddpctx.parallel.wrapping import remember_wrapper, unwrap_model
 T = TypeVar("T")
 
 
-class CollectiveCall(Protocol):
-    """``(what, call, one_wait=..., everyone=...) -> call()``: a ddpctx call that is a
-    collective, guarded.
-
-    ``what`` names it (``"ctx.full_state_dict()"``); ``one_wait``: the hang
-    doctor counts the whole call as one wait in it; ``everyone``: every rank of
-    the default group makes it (not a subgroup's ranks alone).
-    """
-
-    def __call__(
-        self, what: str, call: Callable[[], T], *, one_wait: bool, everyone: bool
-    ) -> T: ...
-
-
 class ModelFaces:
     """``ctx.wrap``, ``ctx.shard``, ``ctx.unwrap``, ``ctx.no_sync``, ``ctx.accumulate``, ..."""
 
@@ -82,6 +73,8 @@ class ModelFaces:
     _on_model: Callable[[nn.Module], None] | None = None
     #: Runs the calls that are collectives (see the module docstring); set by the session.
     _collective_call: CollectiveCall | None = None
+    #: Refuses a call inside rank-zero work (:mod:`ddpctx.parallel.guards`); set by the session.
+    _refuse_alone: Refuse | None = None
     _scaler: torch.amp.GradScaler | None
 
     def wrap(
@@ -128,6 +121,8 @@ class ModelFaces:
         self._precision.wrap_forward(wrapped)
         if options is not None:
             compile_in_place([wrapped], options)
+        if self._refuse_alone is not None:  # after compiling: its check stays out of the graph
+            guard_forward(wrapped, self._refuse_alone, sharded=False)
         if self._on_model is not None:
             self._on_model(wrapped)
         return wrapped
@@ -250,6 +245,8 @@ class ModelFaces:
             self._after_shard()
         refuse_flattening_optimizers()
         result = self._precision.wrap_forward(sharded)
+        if self._refuse_alone is not None:
+            guard_forward(result, self._refuse_alone, sharded=True)
         if self._on_model is not None:
             self._on_model(result)
         return result
@@ -296,6 +293,7 @@ class ModelFaces:
         The norm is the whole model's, also for a sharded model (the same
         number on every rank, equal to the unsharded computation). Under
         ``precision="16-mixed"`` call ``ctx.scaler.unscale_(optimizer)`` first.
+        Refused inside rank-zero work (:mod:`ddpctx.parallel.guards`).
 
         >>> from ddpctx import distributed
         >>> with distributed() as ctx:
@@ -308,8 +306,10 @@ class ModelFaces:
         def clip() -> float:
             return clip_grad_norm(model, max_norm, norm_type, error_if_nonfinite)
 
-        if sharding_of(model) is None:
-            return clip()  # DDP: every rank holds the whole gradient, nothing is sent
+        if sharding_of(model) is None:  # DDP: every rank holds the whole gradient, clips alike
+            if self._refuse_alone is not None:
+                self._refuse_alone("ctx.clip_grad_norm_()", CLIP_WHY)
+            return clip()
         return self._collective(
             "ctx.clip_grad_norm_()", clip, one_wait=True, everyone=self._spans_all(model)
         )

@@ -13,6 +13,7 @@
 - :mod:`~ddpctx.reduce.handles`: the ``async_op=True`` handle; handles finish in issue order.
 - :mod:`~ddpctx.reduce.guard`: refuses a collective no other rank could join (another
   thread, a DataLoader worker, rank-zero-only work).
+- :mod:`~ddpctx.reduce.rollcall`: which rank left, after a collective lost its peer.
 - :mod:`~ddpctx.reduce.faces`: ``ctx.all_reduce`` & co. on the context.
 
 May import: :mod:`ddpctx.utils`. Knows nothing of the session.

@@ -38,6 +38,13 @@ it was made, and the fix:
 The check costs one thread id and one pid comparison and two attribute reads
 per collective (well under a microsecond).
 
+Some calls are no collective, yet must not run in rank-zero work either:
+what they change is every rank's to change alike (DDP's ``ctx.clip_grad_norm_``
+would scale rank 0's gradients alone and the replicas would part), or they
+may issue collectives of torch's own (a DDP or sharded model's forward).
+:func:`refuse_alone` refuses those, in rank-zero work only, with the caller's
+reason and fix.
+
 Example:
     >>> with running_alone("function", "rank_zero_only function 'save'"):
     ...     try:
@@ -57,6 +64,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
+import torch
 from torch.utils.data import get_worker_info
 
 from ddpctx.utils.identity import collective_process, collective_thread, occupant
@@ -112,6 +120,33 @@ def check_caller(what: str) -> None:
         or (process is not None and process != _getpid())
     ):
         _refuse(what, owner)
+
+
+def refuse_alone(what: str, why: str) -> None:
+    """Raise if rank-zero work runs on this thread: ``what`` must run on every rank or none.
+
+    ``why`` completes "Only rank 0 ... runs that code alone, so ...": the harm and the fix.
+
+    >>> with running_alone("function", "a ctx.rank_zero() block"):
+    ...     try:
+    ...         refuse_alone("model(...)", "nobody joins it. Call it on every rank.")
+    ...     except RuntimeError as error:
+    ...         print(str(error).split(" (at ")[0])
+    model(...) was called inside a ctx.rank_zero() block
+    """
+    if _alone.kinds:  # dynamo traces this read (a compiled forward calls it): no graph break
+        if torch.compiler.is_compiling():  # the frame walk is no code to trace
+            torch.compiler.disable(_refuse_alone)(what, why)  # type: ignore[no-untyped-call]
+        _refuse_alone(what, why)
+
+
+def _refuse_alone(what: str, why: str) -> None:
+    kind, block = _alone.kinds[-1]
+    runs = "first, before the others run it" if kind == "first" else "alone"
+    raise RuntimeError(
+        f"{what} was called inside {block} (at {_user_line(what)}). Only rank 0 (or each "
+        f"node's local rank 0) runs that code {runs}, so {why}"
+    )
 
 
 def _refuse(what: str, owner: threading.Thread) -> None:

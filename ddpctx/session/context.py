@@ -60,7 +60,7 @@ from ddpctx.hang.inflight import hook_fsdp_roots
 from ddpctx.hang.settings import HangSettings, resolve_hang_settings
 from ddpctx.hang.watchdog import Doctor
 from ddpctx.parallel.precision import Precision, PrecisionName, resolve_precision
-from ddpctx.reduce.guard import check_caller
+from ddpctx.reduce.guard import check_caller, refuse_alone
 from ddpctx.reduce.handles import end_of_block
 from ddpctx.session.adoption import adopted_device_index, check_backend, launch_info
 from ddpctx.session.departures import add_note, departed, departure_note, record_departure
@@ -254,6 +254,7 @@ class DistributedSession:
             )
             context._after_shard = hook_fsdp_roots
             context._collective_call = partial(guarded_collective, doctor)
+            context._refuse_alone = refuse_alone
             # Occupied before the first collective (start_watching's): collectives belong to
             # the thread that entered, which under Ray Train is not the main thread.
             occupy(context)
