@@ -325,7 +325,8 @@ class WatchFaces:
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Record the run's configuration once (rank 0; a resumed run does not record it again).
 
-        ``log_dir/config.json`` for the ``jsonl``/``csv`` loggers, a ``config`` text
+        ``log_dir/ddpctx-config.json`` for the ``jsonl`` logger (never ``config.json``,
+        which ``save_pretrained`` writes to the same folder), a ``config`` text
         in TensorBoard, ``log_hparams(config)`` of a logger object that has one.
 
         >>> from ddpctx import distributed
