@@ -242,9 +242,9 @@ class Watch:
             return
         unhook()
         clock.close()
-        if clock.count == 0 and clock.worked and self.rank == 0 and self.world_size > 1:
+        if clock.count == 0 and clock.trained and self.rank == 0 and self.world_size > 1:
             warn_user(
-                "ddpctx timed no step in this block: its models ran forward/backward, but "
+                "ddpctx timed no step in this block: its models ran backward, but "
                 "steps end at an optimizer.step() of a torch.optim optimizer or at each "
                 "batch of ctx.dataloader, and neither happened, so there are no timings "
                 "and no straggler report. Step a torch.optim optimizer, read batches "
