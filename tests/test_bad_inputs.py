@@ -410,7 +410,7 @@ ROWS = [
         "@all_reduced",
         "a complex tensor",
         TypeError,
-        "['z'] is Tensor",
+        "['z'] is a complex tensor (torch.complex64) tensor(0.+1.j): only real leaves",
         reduce_in_group({"z": torch.tensor(1j)}),
     ),
     Row(
