@@ -226,6 +226,28 @@ def test_different_shapes_are_an_error_on_every_rank(dist_ctx: DistContext) -> N
     )
 
 
+@pytest.mark.parametrize(
+    ("leaf", "said", "fix"),
+    [
+        (torch.tensor([1j]), "a complex tensor (torch.complex64)", "torch.view_as_real(x)"),
+        (np.array([1j]), "a complex NumPy array (complex128)", "torch.view_as_real(x)"),
+        (np.complex64(1j), "a complex NumPy number (complex64)", "z.real, 'im': z.imag"),
+        (2 + 1j, "a complex number (2+1j)", "z.real, 'im': z.imag"),
+    ],
+)
+def test_a_complex_leaf_is_named_complex_with_the_way_to_reduce_it(
+    leaf: Any, said: str, fix: str
+) -> None:
+    """Not "is Tensor ..., not a number, tensor or NumPy array": it is all of those, but complex."""
+    from ddpctx.reduce.tree import flatten
+
+    with pytest.raises(TypeError) as raised:
+        flatten({"z": leaf})
+    assert str(raised.value).startswith(f"['z'] is {said}"), raised.value
+    assert "only real leaves can be reduced" in str(raised.value)
+    assert fix in str(raised.value)
+
+
 @RANKS
 def test_a_non_numeric_leaf_on_one_rank_is_an_error_on_every_rank(dist_ctx: DistContext) -> None:
     last = dist_ctx.world_size - 1

@@ -9,6 +9,7 @@ does, so the comparisons are bit for bit.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ddpctx import DistContext, distributed, load_weights
-from ddpctx.parallel.compiling import compile_options
+from ddpctx.parallel.compiling import compile_options, torch_compile_arguments
 
 COMPILE = {"backend": "aot_eager"}
 
@@ -65,6 +66,64 @@ def test_a_bad_compile_setting_is_refused_before_the_model_is_touched() -> None:
     with distributed() as ctx, pytest.raises(TypeError, match=r"ctx\.wrap\(compile='yes'\)"):
         ctx.wrap(model, compile="yes")  # type: ignore[arg-type]
     assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
+
+
+#: (compile=, the error, what its message must hold): torch took the first at the wrap and
+#: failed at the first forward, said "unexpected keyword" for the second without naming
+#: compile=, and let the options of a backend that ignores them pass silently.
+BAD_COMPILES = [
+    (
+        {"fullgraph": "yes"},
+        TypeError,
+        "'fullgraph': 'yes' is of type str; torch.compile takes bool",
+    ),
+    ({"nonsense": 1}, ValueError, "'nonsense' (= 1) is not an argument of torch.compile"),
+    ({"options": {"x": 1}}, ValueError, "'options' key 'x' (= 1) is not an inductor setting"),
+    (
+        {"backend": "aot_eager", "options": {"x": 1}},
+        ValueError,
+        "'backend': 'aot_eager', which takes no options",
+    ),
+    ({"options": {"max_autotune": "yes"}}, TypeError, "inductor's max_autotune takes bool"),
+    ({"backend": "no-such"}, ValueError, "'backend': 'no-such' is not a torch.compile backend"),
+    ({"mode": "fast"}, ValueError, "'mode': 'fast' is not one of inductor's modes"),
+    ({"recompile_limit": True}, TypeError, "'recompile_limit': True is of type bool"),
+    ({"mode": "max-autotune", "options": {}}, ValueError, "and 'options' together"),
+]
+
+
+@pytest.mark.parametrize("mode", ["wrap", "shard"])
+@pytest.mark.parametrize(("setting", "error", "says"), BAD_COMPILES)
+def test_compile_options_torch_would_refuse_late_or_ignore_are_refused_at_the_wrap(
+    mode: str, setting: dict[str, Any], error: type[Exception], says: str
+) -> None:
+    model = tiny_model()
+    with distributed() as ctx:
+        wrap = ctx.wrap if mode == "wrap" else functools.partial(ctx.shard, blocks=[nn.Linear])
+        with pytest.raises(error) as raised:
+            wrap(model, compile=setting)
+    assert f"ctx.{mode}(compile=...)" in str(raised.value)
+    assert says in str(raised.value)
+    assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")  # refused before wrapping
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"fullgraph": True, "dynamic": None, "backend": "aot_eager", "name": "m", "disable": False},
+        {"mode": "max-autotune-no-cudagraphs", "recompile_limit": 4, "isolate_recompiles": True},
+        {"options": {"max_autotune": False, "triton.cudagraphs": False, "fallback-random": True}},
+        {"backend": lambda gm, inputs, **kwargs: gm, "options": {"anything": 1}},
+    ],
+)
+def test_every_compile_option_torch_takes_is_accepted_as_torch_takes_it(
+    setting: dict[str, Any],
+) -> None:
+    # Differential: what ddpctx accepts, torch.compile builds without a word.
+    assert compile_options(setting) == setting
+    copied = {key: dict(value) if key == "options" else value for key, value in setting.items()}
+    torch.compile(nn.Linear(2, 2), **copied)  # (torch takes keys out of the options dict)
+    assert {"fullgraph", "backend", "mode", "options"} <= set(torch_compile_arguments())
 
 
 @pytest.mark.parametrize("mode", ["wrap", "shard"])

@@ -21,6 +21,7 @@ from ddpctx.utils.env import (
     resolve_timeout,
     slurm_port,
 )
+from tests.helpers import REPO
 
 TORCHRUN = {
     "RANK": "3",
@@ -125,6 +126,20 @@ def test_open_mpi_variables() -> None:
         1,
     )
     assert (info.master_addr, info.master_port) == ("host-a", 29500)
+
+
+def test_an_srun_steps_variables_win_over_open_mpis_as_the_launching_guide_says() -> None:
+    """Both sets, disagreeing: the srun step's (first in the order); without a step, Open MPI's."""
+    both = {**MPI, **SLURM_STEP}  # rank 5 of 8 (srun) vs rank 3 of 4 (Open MPI)
+    info = detect_launch(both)
+    assert (info.launcher, info.rank, info.world_size) == ("slurm", 5, 8)
+    batch = {k: v for k, v in both.items() if k != "SLURM_STEP_ID"}
+    info = detect_launch(batch)
+    assert (info.launcher, info.rank, info.world_size) == ("mpi", 3, 4)
+    guide = " ".join((REPO / "docs" / "guides" / "launching.md").read_text().split())
+    assert "an `srun` step's variables and Open MPI's both appear" in guide
+    assert "the `srun` step's win" in guide
+    assert "without `SLURM_STEP_ID` (no `srun`) Open MPI's are used" in guide
 
 
 BAD_ENVIRONMENTS = [

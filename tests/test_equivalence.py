@@ -354,5 +354,5 @@ def test_a_real_scripts_loop_killed_and_resumed_ends_as_it_would_have_and_logs_o
         points = [(step, name) for step, name, _ in trail[logger]]
         assert points == expected_points, f"{logger} after the resume: {points}"
     assert len(trail["tensorboard config"]) == 1, trail["tensorboard config"]
-    config = json.loads((tmp_path / "wrap-32" / "log" / "config.json").read_text())
+    config = json.loads((tmp_path / "wrap-32" / "log" / "ddpctx-config.json").read_text())
     assert config["shapes"] == ["compile", "config", "logsavelog", "ownbatch", "raw"]

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ddpctx import StragglerSettings, current, distributed
+from ddpctx import StragglerSettings, all_reduced, current, distributed
 from ddpctx.watch.clock import PhaseTimes, StepClock
 from ddpctx.watch.straggler import find_straggler, format_report
 from ddpctx.watch.watcher import Watcher
@@ -302,6 +302,27 @@ def test_a_loop_with_neither_an_optimizer_nor_a_loader_is_said_to_be_untimed() -
     if said:
         assert "optimizer.step()" in said[0], said
         assert "timings=False" in said[0], said
+
+
+@pytest.mark.distributed(world_size=2, init=False, timeout=60)
+def test_a_block_that_only_evaluates_is_not_said_to_be_untimed() -> None:
+    """The README's example: forwards of the wrapped model, no backward, no optimizer."""
+
+    @all_reduced(weight="count")
+    def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        loss = nn.functional.mse_loss(model(x), y)
+        return {"loss": loss, "count": len(x)}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distributed(seed=0) as ctx:
+            model = ctx.wrap(nn.Linear(4, 1))
+            for _ in range(3):
+                evaluate(model, torch.randn(64, 4), torch.randn(64, 1))
+            with torch.no_grad():
+                model(torch.randn(2, 4))
+    said = [str(w.message) for w in caught if "ddpctx timed no step" in str(w.message)]
+    assert said == []
 
 
 # -- profiles ------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def trail(folder: Path, store: dict[str, list[Any]]) -> dict[str, Any]:
             for tag in sorted(events.Tags()["scalars"])
         },
         "configs in tensorboard": len(events.Tensors("config/text_summary")),
-        "config.json": json.loads((log / "config.json").read_text()),
+        "ddpctx-config.json": json.loads((log / "ddpctx-config.json").read_text()),
         "user logger": store["points"],
         "user logger configs": store["hparams"],
     }
@@ -151,11 +151,37 @@ def test_the_config_is_recorded_once_by_the_fresh_run_never_by_a_resume(
             start = 0 if meta is None else meta["step"] + 1
             ctx.log({"loss": 1.0}, step=start)
             ctx.save_checkpoint(tmp_path / "checkpoints", model=wrapped, step=start)
-    assert json.loads((tmp_path / "log" / "config.json").read_text()) == {"run": 0}
+    assert json.loads((tmp_path / "log" / "ddpctx-config.json").read_text()) == {"run": 0}
     assert store["hparams"] == [{"run": 0}]
     events = EventAccumulator(str(tmp_path / "log"), size_guidance={"tensors": 0})
     events.Reload()
     assert len(events.Tensors("config/text_summary")) == 1
+
+
+@pytest.mark.parametrize("saved_first", [True, False])
+def test_the_config_and_a_model_saved_with_save_pretrained_share_a_log_dir(
+    tmp_path: Path, saved_first: bool
+) -> None:
+    """``log_dir=output_dir`` (as Accelerate's ``project_dir``): both files survive, both load."""
+    hub = pytest.importorskip("huggingface_hub")
+
+    class Net(nn.Module, hub.PyTorchModelHubMixin):  # type: ignore[misc]
+        def __init__(self, width: int = 3) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, 1)
+
+    model = Net(width=4)
+    with distributed(log_dir=tmp_path) as ctx:
+        if saved_first:
+            model.save_pretrained(tmp_path)
+        ctx.log_config({"lr": 0.1})
+        ctx.log({"loss": 1.0}, step=0)
+    if not saved_first:  # after the block: every file of the run is written
+        model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "ddpctx-config.json").read_text()) == {"lr": 0.1}
+    loaded = Net.from_pretrained(tmp_path)
+    assert loaded.linear.in_features == 4
+    assert torch.equal(loaded.linear.weight, model.linear.weight)
 
 
 def steps_in(path: Path) -> list[int]:

@@ -400,7 +400,7 @@ def test_every_step_is_logged_exactly_once_after_a_sigkill_and_a_restart(tmp_pat
         (step, step + 0.5) for step in range(steps)
     ]
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2  # both attempts wrote
-    assert json.loads((log_dir / "config.json").read_text()) == {"lr": 0.1, "steps": 30}
+    assert json.loads((log_dir / "ddpctx-config.json").read_text()) == {"lr": 0.1, "steps": 30}
 
 
 def test_a_metric_named_step_is_refused_before_the_collective(tmp_path: Path) -> None:
@@ -455,7 +455,7 @@ def test_a_resumed_block_continues_the_steps_and_keeps_the_checkpointed_ones(
     lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [(x["step"], x["loss"]) for x in lines] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
     assert (tmp_path / "log" / "metrics.csv").read_text().splitlines()[-1] == "3,30.0"
-    assert json.loads((tmp_path / "log" / "config.json").read_text()) == {"lr": 0.5}
+    assert json.loads((tmp_path / "log" / "ddpctx-config.json").read_text()) == {"lr": 0.5}
 
 
 class GpuTimeline:

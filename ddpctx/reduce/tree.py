@@ -103,6 +103,29 @@ def _describe_leaf(value: Any) -> tuple[str, str, tuple[int, ...], Any, torch.de
     raise TypeError
 
 
+#: How to reduce a complex leaf: a tensor or array (False), a number (True).
+_COMPLEX_FIX = {
+    False: (
+        "Reduce its real and imaginary parts as one real tensor: return "
+        "torch.view_as_real(x) (a NumPy array: torch.view_as_real(torch.from_numpy(x))) and "
+        "take torch.view_as_complex(result) back."
+    ),
+    True: "Reduce its parts: return {'re': z.real, 'im': z.imag} and take complex(re, im) back.",
+}
+
+
+def _complex(value: Any) -> str | None:
+    """What ``value`` is, when it is a complex tensor, array or number; else None."""
+    if isinstance(value, torch.Tensor) and value.is_complex():
+        return f"a complex tensor ({value.dtype})"
+    if isinstance(value, (np.ndarray, np.generic)) and np.iscomplexobj(value):
+        kind = "array" if isinstance(value, np.ndarray) else "number"
+        return f"a complex NumPy {kind} ({value.dtype})"
+    if isinstance(value, complex):
+        return "a complex number"
+    return None
+
+
 def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], Any]]:
     """Leaves of ``obj`` in a fixed order, their values, and a function rebuilding ``obj``."""
     leaves: list[Leaf] = []
@@ -129,6 +152,11 @@ def flatten(obj: Any) -> tuple[list[Leaf], list[Any], Callable[[Sequence[Any]], 
             described = _describe_leaf(node)
         except TypeError:
             where = path or "the result"
+            if (complex_leaf := _complex(node)) is not None:
+                raise TypeError(
+                    f"{where} is {complex_leaf} {_short(node)}: only real leaves can be "
+                    f"reduced. {_COMPLEX_FIX[not isinstance(node, (torch.Tensor, np.ndarray))]}"
+                ) from None
             raise TypeError(
                 f"{where} is {type(node).__name__} {_short(node)}, not a number, tensor or "
                 "NumPy array; only numeric leaves can be reduced. Return it separately, "

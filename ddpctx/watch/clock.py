@@ -197,8 +197,9 @@ class StepClock:
         self.listeners: list[Callable[[int], None]] = []
         #: True once an optimizer step was seen: steps end at optimizer steps from then on.
         self.by_optimizer = False
-        #: Forward, backward or optimizer steps were seen (whether or not a step was timed).
-        self.worked = False
+        #: A backward or an optimizer step was seen: training, timed or not (a forward
+        #: alone is an evaluation, which a block may run without any step to time).
+        self.trained = False
         #: A ``ctx.dataloader`` pass began: its requests, not forwards, begin steps.
         self.fed = False
         self._depth = 0  # nesting of work spans (an optimizer step inside a forward...)
@@ -253,7 +254,6 @@ class StepClock:
         """A forward, backward or optimizer step begins (main thread only)."""
         if threading.get_ident() != self._main:
             return
-        self.worked = True
         if self._depth == 0 and (opened := self._open) is not None and opened.fed:
             return  # a ctx.dataloader step's phases need no span (and leave() sees depth 0)
         self._depth += 1
@@ -281,6 +281,7 @@ class StepClock:
         """
         if threading.get_ident() != self._main:
             return
+        self.trained = True
         if leaving and self._depth:
             self.leave()
         if not self._spanning and not self._passes:  # a loop of its own batches (again)
@@ -309,6 +310,8 @@ class StepClock:
 
         @functools.wraps(original)
         def backward(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == self._main:
+                self.trained = True
             self.enter()
             try:
                 return original(*args, **kwargs)

@@ -242,9 +242,9 @@ class Watch:
             return
         unhook()
         clock.close()
-        if clock.count == 0 and clock.worked and self.rank == 0 and self.world_size > 1:
+        if clock.count == 0 and clock.trained and self.rank == 0 and self.world_size > 1:
             warn_user(
-                "ddpctx timed no step in this block: its models ran forward/backward, but "
+                "ddpctx timed no step in this block: its models ran backward, but "
                 "steps end at an optimizer.step() of a torch.optim optimizer or at each "
                 "batch of ctx.dataloader, and neither happened, so there are no timings "
                 "and no straggler report. Step a torch.optim optimizer, read batches "
@@ -325,7 +325,8 @@ class WatchFaces:
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Record the run's configuration once (rank 0; a resumed run does not record it again).
 
-        ``log_dir/config.json`` for the ``jsonl``/``csv`` loggers, a ``config`` text
+        ``log_dir/ddpctx-config.json`` for the ``jsonl`` logger (never ``config.json``,
+        which ``save_pretrained`` writes to the same folder), a ``config`` text
         in TensorBoard, ``log_hparams(config)`` of a logger object that has one.
 
         >>> from ddpctx import distributed

@@ -37,6 +37,10 @@ from ddpctx.watch.metrics import json_number
 
 #: The least time between two rewrites of ``metrics.csv`` for a wider header.
 REWRITE_EVERY_S = 1.0
+#: The run's configuration (``ctx.log_config``) in ``log_dir``: a name no library writes.
+#: ``config.json`` (runs before it) is what Hugging Face's ``save_pretrained`` writes and
+#: ``from_pretrained`` reads, and ``log_dir`` is often the folder a model is saved to.
+CONFIG_FILE = "ddpctx-config.json"
 
 Point = tuple[int, dict[str, float]]
 
@@ -142,7 +146,7 @@ class JsonlLogger(FileLogger):
 
     def log_hparams(self, params: dict[str, Any]) -> None:
         text = json.dumps(params, indent=2, sort_keys=True, default=str)
-        atomic_write_bytes(self.path.with_name("config.json"), (text + "\n").encode())
+        atomic_write_bytes(self.path.with_name(CONFIG_FILE), (text + "\n").encode())
 
     def flush(self) -> None:
         self._file.sync()
