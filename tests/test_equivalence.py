@@ -38,8 +38,9 @@ What is asserted, cell by cell:
   and its ``metrics.jsonl`` holds every step once;
 - **real scripts**: the loops real scripts write (the script's ``--shapes``:
   a compiled model, the bare module to save/load, log-save-log at one step, its
-  own batch function, the config logged after the resume, gradient accumulation with
-  ``ctx.log`` at every micro-step), killed and resumed at 3 ranks, end
+  own batch function, a sample from the bare module in rank-zero work, the
+  config logged after the resume, gradient accumulation with ``ctx.log`` at
+  every micro-step), killed and resumed at 3 ranks, end
   bit-equal to the same loop uninterrupted, and every logger (jsonl, csv,
   TensorBoard) holds each step's metric once, with the uninterrupted values.
 
@@ -264,7 +265,7 @@ def test_logging_every_step_changes_nothing_and_survives_the_kill(
 #: trains the very model of the matrix's ``wrap:32`` cell; accumulation trains another,
 #: run whole for comparison.
 REAL_SHAPES = [
-    pytest.param("raw,ownbatch,logsavelog,config,compile", id="nanogpt-shaped"),
+    pytest.param("raw,ownbatch,logsavelog,config,compile,rankzero", id="nanogpt-shaped"),
     pytest.param("accum", id="accumulation-logging-every-micro-step"),
 ]
 
@@ -355,4 +356,4 @@ def test_a_real_scripts_loop_killed_and_resumed_ends_as_it_would_have_and_logs_o
         assert points == expected_points, f"{logger} after the resume: {points}"
     assert len(trail["tensorboard config"]) == 1, trail["tensorboard config"]
     config = json.loads((tmp_path / "wrap-32" / "log" / "ddpctx-config.json").read_text())
-    assert config["shapes"] == ["compile", "config", "logsavelog", "ownbatch", "raw"]
+    assert config["shapes"] == ["compile", "config", "logsavelog", "ownbatch", "rankzero", "raw"]

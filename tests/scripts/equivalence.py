@@ -39,7 +39,11 @@ same model as the guides' idiom:
   orders them;
 - ``compile``: the model compiled by ``ctx.wrap``/``ctx.shard`` (``compile=``,
   AOTAutograd without inductor's code generation, which computes bit for bit
-  what eager mode does), as nanoGPT compiles its model.
+  what eager mode does), as nanoGPT compiles its model;
+- ``rankzero``: at a checkpoint step, a ``@rank_zero_only`` function runs the
+  bare module forward for a sample, as nanoGPT samples on its master process
+  (the wrapped model's forward there is refused; the bare one runs no
+  collective and must change nothing).
 
 ``--reference`` instead trains the same model in one plain process without
 ddpctx or torch.distributed, in float64, reading each step's global batch
@@ -124,7 +128,7 @@ def reference(out: Path) -> None:
 
 
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
-SHAPES = ("raw", "logsavelog", "ownbatch", "accum", "config", "compile")
+SHAPES = ("raw", "logsavelog", "ownbatch", "accum", "config", "compile", "rankzero")
 LOGGED_SHAPES = {"logsavelog", "accum", "config"}  # shapes that need the loggers
 
 
@@ -141,6 +145,12 @@ def own_batches(
         yield inputs[batch].to(device), targets[batch].to(device)
 
 
+def sample_from(bare: nn.Module, inputs: torch.Tensor) -> None:
+    """What scripts do at a checkpoint step: a sample from the bare module (on rank 0 alone)."""
+    with torch.no_grad():
+        print(f"sample: {float(bare(inputs).sum()):.4f}")
+
+
 def train_cell(
     out: Path,
     cell: str,
@@ -150,8 +160,9 @@ def train_cell(
     log: bool = False,
     shapes: frozenset[str] = frozenset(),
 ) -> None:
-    from ddpctx import distributed
+    from ddpctx import distributed, rank_zero_only
 
+    sample_on_rank_zero = rank_zero_only(sample_from)
     mode, precision, *data = cell.split(":")
     stream = data == ["stream"]
     folder = out / cell.replace(":", "-")
@@ -218,6 +229,8 @@ def train_cell(
                     ctx.log({"loss": loss.detach()}, step=step, timings=True)
                 elif "logsavelog" in shapes and checkpoint_step:  # log, save, log again
                     ctx.log({"eval/loss": loss.detach() * 2}, step=step)
+                if checkpoint_step and "rankzero" in shapes:
+                    sample_on_rank_zero(ctx.unwrap(model), inputs[:2])
                 if checkpoint_step:
                     ctx.save_checkpoint(
                         folder / "checkpoints",
