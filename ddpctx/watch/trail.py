@@ -141,9 +141,10 @@ class Trail:
         if self._writer is not None:
             self._writer.put(("resume", step))
 
-    def close(self) -> None:
+    def close(self, how: str = "finished") -> None:
+        """The block ended (``how``: finished, failed, killed): every logger ends, told so."""
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close(how)
 
 
 @dataclass
@@ -186,8 +187,8 @@ class _Writer:
         for lane, done in marker.markers:
             lane.wait(done, "the checkpoint")
 
-    def close(self) -> None:
-        self.put(("close", None))
+    def close(self, how: str) -> None:
+        self.put(("close", how))
         if not self._wait(self._ended, "the end of the block"):
             return
         for lane in self.lanes:
@@ -281,7 +282,7 @@ class _Writer:
             ):
                 self._start(None)
             for lane in self.lanes:
-                lane.put("close")
+                lane.put("close", payload)
             return True
         return False
 

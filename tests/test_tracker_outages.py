@@ -1,0 +1,159 @@
+"""A tracking server outside the job: down at the start, killed mid-run, brought back.
+
+Nothing it does may hold up a step or a checkpoint beyond the documented
+bound (:data:`~ddpctx.watch.servers.TRACKER_WAIT_S`, with the test suite's
+slack); the points it lacks at the end are counted exactly (read back from
+the server itself), and the run is not left ``RUNNING`` when the server
+answers at the end. Real ``mlflow server`` processes on loopback, started
+and killed here; "unreachable" is a loopback port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpctx import distributed
+from ddpctx.watch.servers import TRACKER_WAIT_S
+from ddpctx.watch.trackers import MLflowLogger, read_record, record_path
+from tests.helpers import child_env, patience
+from tests.test_trackers import QUIET, answers, free_port, quiet, stop_group
+
+__all__ = ["quiet"]  # the autouse fixture: no network, no telemetry
+
+#: A save_checkpoint may wait this long for a tracker (the bound, with 3x slack for CI).
+SAVE_BOUND_S = 3 * TRACKER_WAIT_S + 2
+
+
+@contextmanager
+def mlflow_server(folder: Path, port: int) -> Iterator[str]:
+    """``mlflow server`` on ``127.0.0.1:port`` over ``folder``'s SQLite store; always stopped."""
+    uri = f"http://127.0.0.1:{port}"
+    command = [
+        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+        *("--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"),
+        *("--default-artifact-root", str(folder / "artifacts"), "--workers", "1"),
+    ]
+    with open(folder / "server.log", "a") as log:
+        server = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env(**QUIET),
+            cwd=folder,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + patience(240)
+        while not answers(uri + "/health"):
+            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer in time"
+            time.sleep(0.5)
+        yield uri
+    finally:
+        stop_group(server)
+
+
+def said(caught: list[warnings.WarningMessage], pattern: str) -> list[str]:
+    return [str(w.message) for w in caught if re.search(pattern, str(w.message))]
+
+
+@pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=240)
+def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("mlflow")
+    uri = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    model = torch.nn.Linear(2, 1)
+    saves = []
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger = MLflowLogger(tmp_path / "log", tracking_uri=uri, experiment="down")
+        with distributed(log_dir=tmp_path / "log", loggers=(logger,)) as ctx:
+            wrapped = ctx.wrap(model)
+            deadline = time.monotonic() + patience(10)
+            while not said(caught, "does not answer at the start"):
+                assert time.monotonic() < deadline, [str(w.message) for w in caught]
+                time.sleep(0.05)
+            for step in range(30):
+                ctx.log({"loss": float(step)})
+                if step % 10 == 9:
+                    before = time.monotonic()
+                    ctx.save_checkpoint(tmp_path / "checkpoints", model=wrapped, step=step)
+                    saves.append(time.monotonic() - before)
+    took = time.monotonic() - started
+    # Before: the first save waited ~120 s (MLflow's own retries, then "stuck").
+    assert max(saves) < SAVE_BOUND_S, saves
+    assert took < 3 * SAVE_BOUND_S + 3 * 3 * TRACKER_WAIT_S, took
+    (start,) = said(caught, "does not answer at the start")
+    assert uri in start and "MLFLOW_TRACKING_URI" in start
+    (end,) = said(caught, r"points were never written")
+    assert "30 of its 30 points" in end, end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("back_before_the_end", [True, False])
+@pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+def test_an_mlflow_server_killed_mid_run_costs_no_step_and_its_losses_are_counted_exactly(
+    tmp_path: Path, back_before_the_end: bool
+) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    folder, port = tmp_path / "server", free_port()
+    folder.mkdir()
+    log_dir, checkpoints = tmp_path / "log", tmp_path / "checkpoints"
+    model = torch.nn.Linear(2, 1)
+    saves = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        server = mlflow_server(folder, port)
+        uri = server.__enter__()
+        logger = MLflowLogger(log_dir, tracking_uri=uri, experiment="killed", send_every_s=0.2)
+        try:
+            with distributed(log_dir=log_dir, loggers=(logger,)) as ctx:
+                wrapped = ctx.wrap(model)
+                for step in range(40):
+                    ctx.log({"loss": float(step)})
+                    time.sleep(0.02)
+                    if step == 13:
+                        server.__exit__(None, None, None)  # killed mid-run
+                    if step % 10 == 9:
+                        before = time.monotonic()
+                        ctx.save_checkpoint(checkpoints, model=wrapped, step=step)
+                        saves.append(time.monotonic() - before)
+                    if step == 29 and back_before_the_end:
+                        server = mlflow_server(folder, port)
+                        server.__enter__()
+        finally:
+            server.__exit__(None, None, None)
+    # Before: the save after the kill waited ~120 s.
+    assert max(saves) < SAVE_BOUND_S, saves
+    record = read_record(record_path(log_dir, "mlflow"))
+    assert record is not None
+    with mlflow_server(folder, port) as uri:
+        client = MlflowClient(uri)
+        held = {point.step for point in client.get_metric_history(record["run_id"], "loss")}
+        status = client.get_run(record["run_id"]).info.status
+    lost = said(caught, r"points were never written")
+    if back_before_the_end:
+        assert held == set(range(40)) and not lost, lost
+        assert status == "FINISHED"
+    else:
+        (message,) = lost
+        # Before: "23 of its 40 points were never written" while the server held 14.
+        missing = int(re.search(r"(\d+) of its 40 points", message).group(1))  # type: ignore[union-attr]
+        assert missing == 40 - len(held) > 0, (message, sorted(held))
+        assert status == "RUNNING"
+        (left,) = said(caught, "could not be marked FINISHED")
+        assert f"set_terminated('{record['run_id']}', 'FINISHED')" in left
