@@ -173,3 +173,68 @@ def test_the_guide_says_how_soon_a_line_reaches_the_files_as_the_writer_does_it(
     assert f"every {DISPATCH_S:g} s" in " ".join(paragraph.split())
     bound = f"at most {TRACKER_WAIT_S:g} s"
     assert bound in " ".join(guide.split()), "the guide states the trackers' bound"
+
+
+class HeldServer:
+    """A tracker whose server holds every request ``hold`` seconds (slow, not stuck).
+
+    Its ``unsent`` counts the points it took that the server has not confirmed,
+    as MLflowLogger's does; ``wait_s`` is the bound a checkpoint waits for it.
+    """
+
+    stuck_after_s = 600.0
+
+    def __init__(self, wait_s: float, hold: float) -> None:
+        self.wait_s = wait_s
+        self.hold = hold
+        self.unsent = 0
+
+    def write_points(self, points: list[tuple[int, dict[str, float]]]) -> None:
+        self.unsent += len(points)
+        time.sleep(self.hold)
+        self.unsent -= len(points)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.write_points([(step, metrics)])
+
+    def flush(self) -> None:
+        time.sleep(self.hold)
+
+
+@pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=300)
+def test_trackers_that_hold_up_a_checkpoint_share_one_bound_and_a_full_queue_is_counted(
+    tmp_path: Path,
+) -> None:
+    # Five trackers whose servers hold each request 60 s: a save waits for all of them
+    # together at most wait_s, the end of the block 3 * wait_s, and ctx.log never waits --
+    # past QUEUE_LIMIT points the rest are counted, each logger's count exact.
+    from ddpctx.watch.lanes import QUEUE_LIMIT
+
+    wait_s, calls = 2.0, QUEUE_LIMIT + 2_000
+    trackers = [HeldServer(wait_s, hold=60.0) for _ in range(5)]
+    model = torch.nn.Linear(2, 1)
+    slowest_log = 0.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distributed(log_dir=tmp_path / "log", loggers=tuple(trackers)) as ctx:
+            wrapped = ctx.wrap(model)
+            ctx.log({"loss": 0.0})
+            time.sleep(0.5)  # the writer hands it over: every tracker is now in a request
+            before = time.monotonic()
+            ctx.save_checkpoint(tmp_path / "checkpoints", model=wrapped, step=0)
+            save = time.monotonic() - before
+            for step in range(1, calls):
+                before = time.monotonic()
+                ctx.log({"loss": float(step)})
+                slowest_log = max(slowest_log, time.monotonic() - before)
+            ending = time.monotonic()
+        end = time.monotonic() - ending
+    messages = [str(w.message) for w in caught]
+    # Before: the save waited wait_s for each tracker in turn (5 * 2 s), the end 5 * 6 s.
+    assert save < 3 * wait_s, (save, messages)
+    assert end < 3 * (3 * wait_s), (end, messages)
+    assert slowest_log < 3 * wait_s, slowest_log  # a step never waits for a tracker
+    lost = said(caught, r"points were never written")
+    assert len(lost) == len(trackers), messages
+    for message in lost:  # none confirmed one point: the server held each request
+        assert f"{calls} of its {calls} points" in message, message

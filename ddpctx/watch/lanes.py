@@ -24,7 +24,9 @@ call at a time, in the order the commands came. Contract:
   a slow logger is waited for, never cut off while it is still writing --
   unless the logger says a bound (``wait_s``: a tracker whose server is
   outside the job, :mod:`ddpctx.watch.servers`): a checkpoint then waits at
-  most ``wait_s``, the end of the block three times that (warned once), and
+  most ``wait_s`` for all such loggers together (one bound from the
+  checkpoint's start, not one per logger in turn), the end of the block
+  three times that (warned once), and
   points beyond :data:`QUEUE_LIMIT` for it are counted, never waited for.
 - A logger with ``connect()`` gets it first, from its thread, as the block
   starts; one with ``ended(how)`` is told how the block ended
@@ -108,9 +110,13 @@ class Lane:
             time.sleep(0.01)
         self._queue.put((kind, payload))
 
-    def wait(self, done: threading.Event, what: str) -> bool:
-        """Wait for ``done`` while this lane progresses; False (warned once) when it is stuck."""
-        started = time.monotonic()
+    def wait(self, done: threading.Event, what: str, started: float | None = None) -> bool:
+        """Wait for ``done`` while this lane progresses; False (warned once) when it is stuck.
+
+        A bounded logger's ``wait_s`` counts from ``started`` (the checkpoint's
+        start, shared by its lanes: N trackers hold it up ``wait_s``, not N times it).
+        """
+        started = time.monotonic() if started is None else started
         while not done.wait(0.05):
             if not self._thread.is_alive():
                 return done.is_set()
@@ -122,12 +128,15 @@ class Lane:
                 return False
         return True
 
-    def join(self, what: str) -> None:
+    def join(self, what: str, started: float | None = None) -> None:
         """Wait for the thread to end after ``close`` while it progresses (or its bound).
 
-        Warns with the exact count when the logger did not get every point.
+        The bound counts from ``started`` (the end of the block's, shared by
+        its lanes). Warns with the exact count when the logger did not get
+        every point.
         """
-        started, why = time.monotonic(), "it did not confirm them"
+        why = "it did not confirm them"
+        started = time.monotonic() if started is None else started
         bound = None if self._wait_s is None else 3 * self._wait_s
         while self._thread.is_alive():
             self._thread.join(0.05)
