@@ -10,14 +10,18 @@ and killed here; "unreachable" is a loopback port nobody listens on.
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import re
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,6 +177,149 @@ def test_the_guide_says_how_soon_a_line_reaches_the_files_as_the_writer_does_it(
     assert f"every {DISPATCH_S:g} s" in " ".join(paragraph.split())
     bound = f"at most {TRACKER_WAIT_S:g} s"
     assert bound in " ".join(guide.split()), "the guide states the trackers' bound"
+
+
+class _SlowHandler(http.server.BaseHTTPRequestHandler):
+    """Relays each request to the upstream server after the proxy's delay."""
+
+    protocol_version = "HTTP/1.1"
+    server: _SlowProxy
+
+    def relay(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        time.sleep(self.server.delay)
+        self.server.requests += 1
+        upstream = http.client.HTTPConnection(*self.server.upstream, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            response = upstream.getresponse()
+            data = response.read()
+        finally:
+            upstream.close()
+        self.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in _HOP:
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = relay
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # quiet
+
+
+_HOP = {"host", "connection", "keep-alive", "proxy-connection", "transfer-encoding"}
+_HOP |= {"content-length"}
+
+
+class _SlowProxy(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, upstream: tuple[str, int], delay: float) -> None:
+        super().__init__(("127.0.0.1", 0), _SlowHandler)
+        self.upstream = upstream
+        self.delay = delay
+        self.requests = 0
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that gave up on its request: nothing to say
+
+
+@contextmanager
+def slow_proxy(upstream: str, delay: float, lifetime: float) -> Iterator[str]:
+    """A loopback HTTP proxy in front of ``upstream``, ``delay`` seconds per request.
+
+    Stops itself after ``lifetime`` seconds even if the test hangs, and always on exit.
+    """
+    host, port = upstream.removeprefix("http://").split(":")
+    proxy = _SlowProxy((host, int(port)), delay)
+    thread = threading.Thread(target=proxy.serve_forever, args=(0.1,), daemon=True)
+    thread.start()
+    stop = threading.Timer(lifetime, proxy.shutdown)
+    stop.daemon = True
+    stop.start()
+    try:
+        yield f"http://127.0.0.1:{proxy.server_address[1]}"
+    finally:
+        stop.cancel()
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join(10)
+
+
+def train(log_dir: Path, checkpoints: Path, loggers: tuple[Any, ...]) -> tuple[float, list[float]]:
+    """30 steps, a checkpoint every 10: (seconds for the whole block, seconds per save)."""
+    model = torch.nn.Linear(8, 1)
+    saves = []
+    started = time.monotonic()
+    with distributed(seed=0, log_dir=log_dir, loggers=loggers) as ctx:
+        wrapped = ctx.wrap(model)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        for step in range(30):
+            loss = wrapped(torch.randn(16, 8)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ctx.log({"loss": float(loss)})
+            time.sleep(0.05)
+            if step % 10 == 9:
+                before = time.monotonic()
+                ctx.save_checkpoint(checkpoints, model=wrapped, step=step)
+                saves.append(time.monotonic() - before)
+    return time.monotonic() - started, saves
+
+
+#: What the slow server may add to the 30-step loop: three checkpoints and the end of the
+#: block, each at its documented bound (TRACKER_WAIT_S, three times that at the end).
+SLOW_LOOP_EXTRA_S = 3 * TRACKER_WAIT_S + 3 * TRACKER_WAIT_S
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+def test_a_slow_mlflow_server_costs_the_loop_at_most_its_documented_bound(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    folder = tmp_path / "server"
+    folder.mkdir()
+    log_dir = tmp_path / "log"
+    with mlflow_server(folder, free_port()) as upstream:
+        plain, _ = train(tmp_path / "plain", tmp_path / "plain-checkpoints", ("jsonl",))
+        with (
+            slow_proxy(upstream, delay=2.0, lifetime=patience(300)) as uri,
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
+            logger = MLflowLogger(log_dir, tracking_uri=uri, experiment="slow")
+            tracked, saves = train(log_dir, tmp_path / "checkpoints", ("jsonl", logger))
+        record = read_record(record_path(log_dir, "mlflow"))
+        client = MlflowClient(upstream)
+        run = None if record is None else client.get_run(record["run_id"])
+        held = [] if run is None else client.get_metric_history(run.info.run_id, "loss")
+    messages = [str(w.message) for w in caught]
+    print(f"plain {plain:.1f} s, tracked {tracked:.1f} s, saves {saves}", messages)
+    # Before: the loop took 42 s against 7.7 s without the tracker.
+    assert max(saves) < SAVE_BOUND_S, (saves, messages)
+    assert tracked - plain < 2 * SLOW_LOOP_EXTRA_S, (plain, tracked, saves, messages)
+    # It answers, if in 2 s: up, never said to be down (before: a 2 s probe limit called it
+    # down at the start, and it got none of the 30 points).
+    assert not said(caught, "does not answer"), messages
+    lost = said(caught, r"points were never written")
+    steps = sorted(point.step for point in held)
+    if not lost:
+        assert steps == list(range(30)), (steps, messages)
+        assert run is not None
+        assert run.info.status == "FINISHED", messages
+    else:
+        (message,) = lost
+        missing = int(re.search(r"(\d+) of its 30 points", message).group(1))  # type: ignore[union-attr]
+        assert missing == 30 - len(set(steps)) > 0, (message, steps)
 
 
 class HeldServer:

@@ -8,9 +8,10 @@ training and checkpoints wait for it a bounded time only. Contract:
   tracker's flush (``wait_s`` on the logger; :mod:`ddpctx.watch.lanes`
   enforces it), the end of the block at most three times as long (send
   the rest, mark the run), then goes on; a step never waits for it.
-- One request to the server is given :data:`REQUEST_S`, with no retry
-  inside it: a failed send leaves its points waiting, and they are sent
-  again once the server answers (a probe of its ``/health`` every
+- One request to the server, and a probe of its health, is given
+  :data:`REQUEST_S`, with no retry inside it: a slow server that answers
+  within it is up. A failed send leaves its points waiting, and they are
+  sent again once the server answers (a probe of its ``/health`` every
   :data:`RETRY_S`, never a resend into a server that does not answer).
 - :class:`Server` says each outage once (naming the URI and the fix) and
   its end; at the start of the block an unreachable server is said at once.
@@ -38,8 +39,9 @@ from ddpctx.utils.warn import warn_user
 TRACKER_WAIT_S = 5.0
 #: One request's limit; a request that takes longer counts as failed and is sent again later.
 REQUEST_S = 5.0
-#: A probe of an unreachable server's health: its limit.
-PROBE_S = 2.0
+#: A probe of a server's health: its limit, one request's (a server that answers its
+#: requests slowly is up; a shorter probe called a 2 s server down and sent it nothing).
+PROBE_S = REQUEST_S
 #: How often a server that does not answer is probed again.
 RETRY_S = 5.0
 #: Points a logger keeps for a server that does not answer; older ones beyond it are counted.
