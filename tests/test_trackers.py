@@ -220,8 +220,10 @@ def test_mlflow_resumed_blocks_skip_what_the_killed_attempt_sent_and_warn_about_
             ctx.log({"loss": 5.0, "extra": 1.0})
             ctx.log({"loss": 66.0}, step=6)
             ctx.log({"loss": 7.0})  # past the killed attempt's steps: no more warnings
-    said = [str(w.message) for w in caught if "MLflowLogger" in str(w.message)]
-    assert len(said) == 1, said
+    # Only the resume's own warning: a tracker may also say the server was slow (a
+    # checkpoint's bounded wait on a loaded machine), which names MLflowLogger too.
+    said = [str(w.message) for w in caught if "the resumed run logs other values" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
     assert re.search(r"at step 4 .*'loss' \(4\.0, now 40\.0\).*shows both", said[0])
     assert read_record(record_path(log_dir, "mlflow")) == first
     run_id = first["run_id"] if first else ""

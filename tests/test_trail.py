@@ -394,6 +394,9 @@ def log_different_steps() -> tuple[str, dict[str, Any]]:
 @example(2**62 + 5, [0, 0, 1], 3, "max")
 @example(2**53 + 4, [0, 1], 3, "min")
 @example(2**53 - 1, [0, 1], 2, "max")
+# One example at 2**14 ranks hashes 16,384 steps: 0.3-0.6 s on a loaded 2-core machine, past
+# hypothesis's 200 ms deadline (DeadlineExceeded in 7 of 8 runs, on main as on the branch).
+@settings(deadline=None)
 def test_the_step_check_tells_equal_steps_from_unequal_ones_at_every_size(
     step: int, offsets: list[int], world: int, op: str
 ) -> None:

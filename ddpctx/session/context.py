@@ -291,7 +291,7 @@ class DistributedSession:
                 reports = self._doctor.reports if self._doctor is not None else []
                 record_for_torchrun(exc, os.environ, note="\n\n".join([*notes, *reports]))
         finally:
-            self.close()
+            self._cleanup.__exit__(exc_type, exc, tb)  # the trail tells trackers how it ended
             hooks, self._excepthooks = self._excepthooks, None
             if exc is None and hooks is not None and sys.excepthook is hooks[1]:
                 sys.excepthook = hooks[0]  # an error leaving the block keeps its [rankN] prefix

@@ -33,6 +33,7 @@ from ddpctx.watch.files import FileLogger
 from ddpctx.watch.loggers import check_log_dir, make_loggers
 from ddpctx.watch.profiling import ENV as PROFILE_ENV
 from ddpctx.watch.profiling import parse_profile_env
+from ddpctx.watch.servers import outcome
 from ddpctx.watch.straggler import StragglerSettings, resolve_straggler
 
 
@@ -115,7 +116,12 @@ def start_watching(
         store=_store() if watching.straggler is not None else None,
         profile_env=watching.profile,
     )
-    stack.callback(watch.stop)
+
+    def stop(kind: object, error: BaseException | None, trace: object) -> bool:
+        watch.stop(outcome(error))  # the trackers are told how the block ended
+        return False
+
+    stack.push(stop)
     context._watch = watch
     context._before_save = watch.trail.checkpoint_meta
     context._after_load = watch.trail.restored

@@ -6,8 +6,11 @@
 - :mod:`~ddpctx.watch.files`: the built-in files, live, append-only, never torn.
 - :mod:`~ddpctx.watch.metrics`: what ``ctx.log`` accepts, and the values loggers get.
 - :mod:`~ddpctx.watch.trail`: steps on every rank, rank 0's writer,
-- :mod:`~ddpctx.watch.trackers`: ``mlflow`` and ``wandb``, the same run after a resume.
   exactly-once across a kill and a resume.
+- :mod:`~ddpctx.watch.trackers`: ``mlflow`` and ``wandb``, the same run after a resume;
+  :mod:`~ddpctx.watch.mlflow_logger` (over :mod:`~ddpctx.watch.mlflow_rest`) and
+  :mod:`~ddpctx.watch.runrecord` (the run's id in ``log_dir``), the MLflow side.
+- :mod:`~ddpctx.watch.servers`: a tracking server outside the job, waited on a bounded time.
 - :mod:`~ddpctx.watch.lanes`: one thread per logger, so none holds up another.
 - :mod:`~ddpctx.watch.clock`: data / compute / collective time of every step.
 - :mod:`~ddpctx.watch.straggler`: who holds the others back (pure), and the report.

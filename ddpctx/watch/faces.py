@@ -222,8 +222,8 @@ class Watch:
         self.profiles.append(profiling)
         return profiling
 
-    def stop(self) -> None:
-        """Stop the watcher (its last judgement), finish profiles, flush and close the trail."""
+    def stop(self, how: str = "finished") -> None:
+        """Stop the watcher, finish profiles, close the trail (the block ``how``: finished...)."""
         try:
             self._stop_clock()
             if self.watcher is not None:
@@ -233,7 +233,7 @@ class Watch:
                 for profiling in self.profiles:
                     profiling.stop()
             finally:
-                self.trail.close()
+                self.trail.close(how)
 
     def _stop_clock(self) -> None:
         """Take the clock's hooks off; say so when a training loop went untimed."""

@@ -21,7 +21,19 @@ call at a time, in the order the commands came. Contract:
   waits on it (nor does memory grow).
   A stuck logger that returns carries on with what is queued.
 - :meth:`Lane.wait` waits for a marker as long as the lane makes progress:
-  a slow logger is waited for, never cut off while it is still writing.
+  a slow logger is waited for, never cut off while it is still writing --
+  unless the logger says a bound (``wait_s``: a tracker whose server is
+  outside the job, :mod:`ddpctx.watch.servers`): a checkpoint then waits at
+  most ``wait_s`` for all such loggers together (one bound from the
+  checkpoint's start, not one per logger in turn), the end of the block
+  three times that (warned once), and
+  points beyond :data:`QUEUE_LIMIT` for it are counted, never waited for.
+- A logger with ``connect()`` gets it first, from its thread, as the block
+  starts; one with ``ended(how)`` is told how the block ended
+  (``"finished"``, ``"failed"``, ``"killed"``) before ``close()``.
+- At the end, a logger that did not get every point is named with the exact
+  count: the points never handed to it, plus its own ``unsent`` (points it
+  took that its server never confirmed), of all points logged.
 """
 
 from __future__ import annotations
@@ -60,6 +72,15 @@ class Lane:
         self._count_lock = threading.Lock()
         self._busy_since: float | None = None
         self._stuck_after = float(getattr(logger, "stuck_after_s", STUCK_S))
+        bound = getattr(logger, "wait_s", None)
+        self._wait_s = float(bound) if isinstance(bound, (int, float)) else None
+        self.warned_wait = False
+        # A tracker that counts what its server lacks (unsent) takes whole batches too.
+        self._batched = isinstance(logger, FileLogger) or (
+            hasattr(logger, "unsent") and callable(getattr(logger, "write_points", None))
+        )
+        if callable(getattr(logger, "connect", None)):
+            self._queue.put(("connect", ()))
         self._thread = threading.Thread(
             target=self._run, name=f"ddpctx-log-{type(logger).__name__}", daemon=True
         )
@@ -83,37 +104,72 @@ class Lane:
                 if self._waiting == 0 or self._waiting + points <= QUEUE_LIMIT:
                     self._waiting += points
                     break
-            if self.stuck:  # nobody waits on it
+            if self.stuck or self._wait_s is not None:  # nobody waits on it
                 self.lost += points
                 return
             time.sleep(0.01)
         self._queue.put((kind, payload))
 
-    def wait(self, done: threading.Event, what: str) -> bool:
-        """Wait for ``done`` while this lane progresses; False (warned once) when it is stuck."""
+    def wait(self, done: threading.Event, what: str, started: float | None = None) -> bool:
+        """Wait for ``done`` while this lane progresses; False (warned once) when it is stuck.
+
+        A bounded logger's ``wait_s`` counts from ``started`` (the checkpoint's
+        start, shared by its lanes: N trackers hold it up ``wait_s``, not N times it).
+        """
+        started = time.monotonic() if started is None else started
         while not done.wait(0.05):
             if not self._thread.is_alive():
                 return done.is_set()
             if self.stuck:
                 self.say_stuck(what)
                 return False
+            if self._wait_s is not None and time.monotonic() - started >= self._wait_s:
+                self.say_waited(what, self._wait_s)
+                return False
         return True
 
-    def join(self, what: str) -> None:
-        """Wait for the thread to end after ``close`` while it progresses; warn if abandoned."""
+    def join(self, what: str, started: float | None = None) -> None:
+        """Wait for the thread to end after ``close`` while it progresses (or its bound).
+
+        The bound counts from ``started`` (the end of the block's, shared by
+        its lanes). Warns with the exact count when the logger did not get
+        every point.
+        """
+        why = "it did not confirm them"
+        started = time.monotonic() if started is None else started
+        bound = None if self._wait_s is None else 3 * self._wait_s
         while self._thread.is_alive():
             self._thread.join(0.05)
-            if self._thread.is_alive() and self.stuck:
+            if not self._thread.is_alive():
+                break
+            if self.stuck:
                 self.say_stuck(what)
-                missing = self.received - self.written
-                warn_user(
-                    f"ddpctx left the logger {self.logger!r} behind at the end of the block: "
-                    f"{missing} of its {self.received} points were never written by it (it "
-                    "was stuck in one call). The other loggers have all of them; fix that "
-                    "logger (or remove it from loggers=) to keep its trail.",
-                    RuntimeWarning,
-                )
-                return
+                why = "it was stuck in one call"
+                break
+            if bound is not None and time.monotonic() - started >= bound:
+                self.say_waited(what, bound)
+                why = f"it was still busy after {bound:g} s"
+                break
+        missing = self.received - self.written + int(getattr(self.logger, "unsent", 0))
+        if missing > 0:
+            warn_user(
+                f"ddpctx left the logger {self.logger!r} behind at the end of the block: "
+                f"{missing} of its {self.received} points were never written by it ({why}). "
+                "The other loggers have all of them; fix that logger or its server (or "
+                "remove it from loggers=) to keep its trail.",
+                RuntimeWarning,
+            )
+
+    def say_waited(self, what: str, seconds: float) -> None:
+        if self.warned_wait:
+            return
+        self.warned_wait = True
+        warn_user(
+            f"ddpctx: {what} waited {seconds:g} s for the logger {self.logger!r} (the most it "
+            "waits for it) and goes on: what that logger has not written yet is not covered "
+            f"by {what}. It keeps writing while the block runs.",
+            RuntimeWarning,
+        )
 
     def say_stuck(self, what: str) -> None:
         if self.warned_stuck:
@@ -152,6 +208,8 @@ class Lane:
                 payload.set()
             elif kind == "close":
                 self._call("flush")
+                if payload is not None:
+                    self._call("ended", payload)
                 self._call("close")
                 return
             elif kind:
@@ -162,6 +220,10 @@ class Lane:
             self._call("write_points", batch)
             self.written += len(batch)
             return
+        if self._batched:  # a tracker: it counts what its server lacks itself (unsent)
+            self.written += len(batch)
+            self._call("write_points", batch)
+            return
         for step, metrics in batch:
             self._call("log_metrics", metrics, step)
             self.written += 1
@@ -169,7 +231,7 @@ class Lane:
     def _call(self, method: str, *args: Any) -> None:
         if self.dropped:
             return
-        if method == "tick" and not isinstance(self.logger, FileLogger):
+        if method == "tick" and not self._batched:
             return
         call: Callable[..., Any] | None = getattr(self.logger, method, None)
         if call is None:

@@ -141,9 +141,10 @@ class Trail:
         if self._writer is not None:
             self._writer.put(("resume", step))
 
-    def close(self) -> None:
+    def close(self, how: str = "finished") -> None:
+        """The block ended (``how``: finished, failed, killed): every logger ends, told so."""
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close(how)
 
 
 @dataclass
@@ -183,15 +184,17 @@ class _Writer:
         self.put(("flush", marker))
         if not self._wait(marker.dispatched.wait, "the checkpoint"):
             return
+        started = time.monotonic()  # one bound for all trackers, not one each in turn
         for lane, done in marker.markers:
-            lane.wait(done, "the checkpoint")
+            lane.wait(done, "the checkpoint", started)
 
-    def close(self) -> None:
-        self.put(("close", None))
+    def close(self, how: str) -> None:
+        self.put(("close", how))
         if not self._wait(self._ended, "the end of the block"):
             return
+        started = time.monotonic()
         for lane in self.lanes:
-            lane.join("the end of the block")
+            lane.join("the end of the block", started)
 
     def _ended(self, timeout: float) -> bool:
         self._thread.join(timeout)
@@ -281,7 +284,7 @@ class _Writer:
             ):
                 self._start(None)
             for lane in self.lanes:
-                lane.put("close")
+                lane.put("close", payload)
             return True
         return False
 
