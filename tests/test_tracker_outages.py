@@ -188,7 +188,8 @@ class _SlowHandler(http.server.BaseHTTPRequestHandler):
     def relay(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
-        time.sleep(self.server.delay)
+        if self.server.only is None or self.server.only in self.path:
+            time.sleep(self.server.delay)
         self.server.requests += 1
         upstream = http.client.HTTPConnection(*self.server.upstream, timeout=60)
         try:
@@ -219,10 +220,11 @@ _HOP |= {"content-length"}
 class _SlowProxy(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, upstream: tuple[str, int], delay: float) -> None:
+    def __init__(self, upstream: tuple[str, int], delay: float, only: str | None) -> None:
         super().__init__(("127.0.0.1", 0), _SlowHandler)
         self.upstream = upstream
         self.delay = delay
+        self.only = only
         self.requests = 0
 
     def handle_error(self, request: object, client_address: object) -> None:
@@ -230,13 +232,16 @@ class _SlowProxy(http.server.ThreadingHTTPServer):
 
 
 @contextmanager
-def slow_proxy(upstream: str, delay: float, lifetime: float) -> Iterator[str]:
+def slow_proxy(
+    upstream: str, delay: float, lifetime: float, only: str | None = None
+) -> Iterator[str]:
     """A loopback HTTP proxy in front of ``upstream``, ``delay`` seconds per request.
 
-    Stops itself after ``lifetime`` seconds even if the test hangs, and always on exit.
+    ``only``: delay only the requests whose path holds it. Stops itself after
+    ``lifetime`` seconds even if the test hangs, and always on exit.
     """
     host, port = upstream.removeprefix("http://").split(":")
-    proxy = _SlowProxy((host, int(port)), delay)
+    proxy = _SlowProxy((host, int(port)), delay, only)
     thread = threading.Thread(target=proxy.serve_forever, args=(0.1,), daemon=True)
     thread.start()
     stop = threading.Timer(lifetime, proxy.shutdown)
@@ -319,7 +324,11 @@ def test_a_slow_mlflow_server_costs_the_loop_at_most_its_documented_bound(
     else:
         (message,) = lost
         missing = int(re.search(r"(\d+) of its 30 points", message).group(1))  # type: ignore[union-attr]
-        assert missing == 30 - len(set(steps)) > 0, (message, steps)
+        unsure = re.search(r"may hold up to (\d+) of them", message)
+        maybe = int(unsure.group(1)) if unsure else 0
+        # Exact but for a request that got no answer in time, which the warning counts apart.
+        assert missing - maybe <= 30 - len(set(steps)) <= missing, (message, steps)
+        assert 30 - len(set(steps)) > 0, (message, steps)
 
 
 class HeldServer:
@@ -385,3 +394,39 @@ def test_trackers_that_hold_up_a_checkpoint_share_one_bound_and_a_full_queue_is_
     assert len(lost) == len(trackers), messages
     for message in lost:  # none confirmed one point: the server held each request
         assert f"{calls} of its {calls} points" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+def test_points_sent_without_an_answer_in_time_are_counted_apart_as_maybe_held(
+    tmp_path: Path,
+) -> None:
+    # Every log-batch reaches the server 7 s after it was sent, past the 5 s a request waits:
+    # the server stores points the logger never heard back about. Before, the warning counted
+    # them as never written, while the server held them.
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    folder = tmp_path / "server"
+    folder.mkdir()
+    log_dir = tmp_path / "log"
+    with mlflow_server(folder, free_port()) as upstream:
+        with (
+            slow_proxy(upstream, delay=7.0, lifetime=patience(300), only="log-batch") as uri,
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
+            logger = MLflowLogger(log_dir, tracking_uri=uri, experiment="unanswered")
+            train(log_dir, tmp_path / "checkpoints", ("jsonl", logger))
+            time.sleep(8)  # the relayed requests land upstream
+        record = read_record(record_path(log_dir, "mlflow"))
+        assert record is not None
+        held = MlflowClient(upstream).get_metric_history(record["run_id"], "loss")
+    messages = [str(w.message) for w in caught]
+    (message,) = said(caught, r"points were never written")
+    missing = int(re.search(r"(\d+) of its 30 points", message).group(1))  # type: ignore[union-attr]
+    unsure = re.search(r"may hold up to (\d+) of them", message)
+    assert unsure is not None, messages
+    maybe = int(unsure.group(1))
+    lacking = 30 - len({point.step for point in held})
+    assert missing - maybe <= lacking <= missing, (message, sorted(p.step for p in held))

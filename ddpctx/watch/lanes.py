@@ -149,14 +149,28 @@ class Lane:
             if bound is not None and time.monotonic() - started >= bound:
                 self.say_waited(what, bound)
                 why = f"it was still busy after {bound:g} s"
+                # What is counted below stays true: no point is sent after the count
+                # (a tracker that can abandon its points still closes its run).
+                abandon = getattr(self.logger, "abandon", None)
+                if callable(abandon):
+                    abandon()
+                else:
+                    self.dropped = True
                 break
         missing = self.received - self.written + int(getattr(self.logger, "unsent", 0))
         if missing > 0:
+            maybe = min(missing, int(getattr(self.logger, "maybe_held", 0)))
+            unsure = (
+                f"; {maybe} of them went out in a request that got no answer in time, so its "
+                f"server may hold up to {maybe} of them"
+                if maybe
+                else ""
+            )
             warn_user(
                 f"ddpctx left the logger {self.logger!r} behind at the end of the block: "
-                f"{missing} of its {self.received} points were never written by it ({why}). "
-                "The other loggers have all of them; fix that logger or its server (or "
-                "remove it from loggers=) to keep its trail.",
+                f"{missing} of its {self.received} points were never written by it ({why}"
+                f"{unsure}). The other loggers have all of them; fix that logger or its server "
+                "(or remove it from loggers=) to keep its trail.",
                 RuntimeWarning,
             )
 

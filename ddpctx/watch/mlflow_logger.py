@@ -116,6 +116,11 @@ class MLflowLogger:
         self._metric: Any = None  # mlflow.entities.Metric, once imported
         self._pending: list[Any] = []
         self._dropped = 0  # points beyond BACKLOG while the server did not answer
+        # Of the unsent points, those a request without an answer may have stored all the same:
+        self._unanswered = 0  # at the front of _pending (sent, no reply in time)
+        self._dropped_unanswered = 0  # among _dropped
+        self._in_flight = 0  # the request being sent now
+        self._abandoned = False  # ddpctx stopped waiting for it: send nothing more
         self._sent_at = time.monotonic()
         self._earlier: dict[tuple[str, int], list[float]] = {}
         self._warned = False
@@ -127,6 +132,20 @@ class MLflowLogger:
     def unsent(self) -> int:
         """Points this logger was given that its server has not confirmed."""
         return len(self._pending) + self._dropped
+
+    @property
+    def maybe_held(self) -> int:
+        """Of the :attr:`unsent` points, those its server may hold all the same.
+
+        They went out in a request that got no answer in time (or is being
+        sent now): the server may have stored them, or not.
+        """
+        front = max(self._unanswered, self._in_flight)
+        return min(len(self._pending), front) + self._dropped_unanswered
+
+    def abandon(self) -> None:
+        """ddpctx stopped waiting for this logger: it sends nothing more once its request ends."""
+        self._abandoned = True
 
     def connect(self) -> None:
         """As the block starts: say at once when an HTTP tracking server does not answer."""
@@ -158,8 +177,12 @@ class MLflowLogger:
         # Before the run is open, its points are checked against the killed attempt's at _open.
         self._pending += self._unseen(new) if self.run_id is not None else new
         if len(self._pending) > BACKLOG:
-            self._dropped += len(self._pending) - BACKLOG
-            del self._pending[: len(self._pending) - BACKLOG]
+            over = len(self._pending) - BACKLOG
+            self._dropped += over
+            moved = min(over, self._unanswered)
+            self._dropped_unanswered += moved
+            self._unanswered -= moved
+            del self._pending[:over]
         if len(self._pending) >= MLFLOW_BATCH or (
             time.monotonic() - self._sent_at >= self.send_every_s
         ):
@@ -242,6 +265,7 @@ class MLflowLogger:
             self.server.failed(error, self.unsent)
             return False
         self._pending = self._unseen(self._pending)
+        self._unanswered = min(self._unanswered, len(self._pending))
         self._send_params()
         return True
 
@@ -326,12 +350,13 @@ class MLflowLogger:
             return
         waited = self.server.down_since is not None
         count = len(self._pending)
-        while self._pending:
+        while self._pending and not self._abandoned:
             left = end - time.monotonic()
             if left <= 0:
                 return
             batch = self._pending[:MLFLOW_BATCH]
             body = {"run_id": self.run_id, "metrics": [metric_json(m) for m in batch]}
+            self._in_flight = len(batch)
             try:
                 self._post(
                     "runs/log-batch",
@@ -342,9 +367,14 @@ class MLflowLogger:
             except Exception as error:
                 if not is_outage(error):
                     raise
+                if getattr(error, "maybe_delivered", False):
+                    self._unanswered = max(self._unanswered, len(batch))
                 self.server.failed(error, self.unsent)
                 return
+            finally:
+                self._in_flight = 0
             del self._pending[: len(batch)]
+            self._unanswered = max(0, self._unanswered - len(batch))
         if waited:
             self.server.answered(count)
 

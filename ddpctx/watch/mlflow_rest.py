@@ -8,6 +8,9 @@ wait that long, so its sends go through :func:`post`. Contract:
   seconds and no retry. A server that does not answer (refused, timed out,
   a 5xx or 429) is :class:`Outage`; a request it refuses is MLflow's own
   error, as its client raises it.
+- An :class:`Outage` says whether the request may have reached the server
+  all the same (``maybe_delivered``: sent, no reply in time), so a count of
+  lost points can say which of them the server may hold.
 - :func:`is_outage` tells an outage (the points wait and are sent again)
   from a refusal (the logger is dropped with a warning), for errors of
   :func:`post` and of MLflow's client alike.
@@ -46,14 +49,39 @@ def post(uri: str, path: str, body: dict[str, Any], timeout: float) -> None:
             json=body,
         )
     except Exception as error:
-        raise Outage(str(error)) from error
+        raise Outage(str(error), maybe_delivered=not _never_connected(error)) from error
     if response.status_code >= 500 or response.status_code == 429:
-        raise Outage(f"HTTP {response.status_code} from {endpoint}")
+        raise Outage(f"HTTP {response.status_code} from {endpoint}", maybe_delivered=False)
     rest.verify_rest_response(response, endpoint)
 
 
 class Outage(Exception):
-    """The tracking server did not answer one request (down, too slow, or a 5xx)."""
+    """The tracking server did not answer one request (down, too slow, or a 5xx).
+
+    ``maybe_delivered``: the request may have reached the server all the same
+    (sent, and no reply in time); False when no connection was made or the
+    server answered that it failed.
+    """
+
+    def __init__(self, message: str, *, maybe_delivered: bool = True) -> None:
+        super().__init__(message)
+        self.maybe_delivered = maybe_delivered
+
+
+def _never_connected(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) says no connection to the server was made."""
+    seen: BaseException | None = error
+    for _ in range(8):  # requests wraps urllib3's error, which wraps the socket's
+        if seen is None:
+            return False
+        if isinstance(seen, (ConnectionRefusedError, ConnectionAbortedError)):
+            return True
+        if type(seen).__name__ in ("NewConnectionError", "NameResolutionError"):
+            return True
+        if "Failed to establish a new connection" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_outage(error: BaseException) -> bool:
