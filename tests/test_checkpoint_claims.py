@@ -20,6 +20,7 @@ import re
 import resource
 import shutil
 import struct
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -59,13 +60,23 @@ DDP = {
     ),
 }
 DCP = ["metadata-bytes8", "metadata-size", "entry-length", "tensor-size"]
-KINDS = [*DDP, "expanded", *DCP]
+#: Meta that loads cheaply and blows up once walked: a value 100,000 lists deep (before: a bare
+#: RecursionError in load_checkpoint, accepted by checkpoint_meta); 18 levels of lists each
+#: holding the one below twice (2^18 paths; before: read by all, exported at 20x the file).
+#: And a second ``archive/DATA.PKL`` that torch's zip reader (case-blind) reads in place of
+#: the ``data.pkl`` weighed (before: its meta was what every reader returned).
+PLANTED = ["deep", "laughs", "alike-names"]
+KINDS = [*DDP, "expanded", *PLANTED, *DCP]
 READERS = ["checkpoint_meta", "load_weights", "export-safetensors", "load-2"]
 
 
 def tamper(folder: Path, kind: str) -> Path:
     """Put the payload ``kind`` in the newest checkpoint, checksums re-signed; the carrier."""
     checkpoint = newest(folder)
+    if kind in PLANTED:
+        plant(checkpoint, kind)
+        forge_manifest(sidecar(checkpoint), {})
+        return checkpoint
     if kind in DDP or kind == "expanded":
         state = torch.load(checkpoint, weights_only=False)
         if kind == "expanded":
@@ -91,6 +102,56 @@ def tamper(folder: Path, kind: str) -> Path:
         carrier.write_bytes(pickle.dumps(metadata))
     forge_manifest(checkpoint / SHARDED_MANIFEST, {})  # whole files re-signed
     return carrier
+
+
+def records(blob: bytes) -> dict[str, bytes]:
+    """A torch file's records, by the names its reader gives them."""
+    reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
+    return {name: bytes(reader.get_record(name)) for name in reader.get_all_records()}
+
+
+def with_note(checkpoint: Path, opcodes: bytes) -> dict[str, bytes]:
+    """``checkpoint``'s records, its meta ``note`` made of raw pickle ``opcodes``."""
+    state = torch.load(checkpoint, weights_only=True)
+    state["meta"]["note"] = "@@NOTE@@"
+    blob = io.BytesIO()
+    torch.save(state, blob)
+    found = records(blob.getvalue())
+    marker = b"X" + struct.pack("<I", 8) + b"@@NOTE@@"
+    assert found["data.pkl"].count(marker) == 1
+    found["data.pkl"] = found["data.pkl"].replace(marker, opcodes)
+    return found
+
+
+def write_zip(path: Path, items: list[tuple[str, bytes]]) -> None:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in items:
+            archive.writestr(f"archive/{name}", data)
+
+
+def plant(checkpoint: Path, kind: str) -> None:
+    """Rewrite ``checkpoint`` with the meta payload ``kind`` (see :data:`PLANTED`)."""
+    if kind == "deep":
+        write_zip(checkpoint, [*with_note(checkpoint, b"]" * 100_000 + b"a" * 99_999).items()])
+        return
+    if kind == "laughs":
+        memo = 60_000
+        ops = b"](X" + struct.pack("<I", 64) + b"a" * 64 + b"r" + struct.pack("<I", memo)
+        for level in range(memo + 1, memo + 19):
+            below = b"j" + struct.pack("<I", level - 1)
+            ops += b"](" + below + below + b"e" + b"r" + struct.pack("<I", level)
+        write_zip(checkpoint, [*with_note(checkpoint, ops + b"e").items()])
+        return
+    good = with_note(checkpoint, b"K\x01")
+    planted = with_note(checkpoint, b"X" + struct.pack("<I", 7) + b"planted")["data.pkl"]
+    items = list(good.items())
+    for where in range(len(items) + 1):  # where torch's lookup (case-blind) finds the planted
+        for pad in range(40):
+            padding = [(f"pad{n}", b"") for n in range(pad)]
+            write_zip(checkpoint, [*items[:where], ("DATA.PKL", planted), *items[where:], *padding])
+            if records(checkpoint.read_bytes()).get("data.pkl") == planted:
+                return
+    raise AssertionError("no layout where torch reads the planted DATA.PKL")
 
 
 def limited(read: Any, *args: Any) -> Any:

@@ -389,15 +389,20 @@ def check_torch_file(source: IO[bytes], size: int, path: Path) -> None:
         return
     with archive:
         records: dict[str, int] = {}
+        offsets: dict[str, int] = {}
         pickles = []
+        _refuse_alike_names(archive, path)
         for info in archive.infolist():
             parts = info.filename.split("/")
             if len(parts) == 3 and parts[1] == "data":
                 records[parts[2]] = info.file_size
+                offsets[f"data/{parts[2]}"] = info.header_offset
             elif len(parts) == 2 and parts[1] == "data.pkl":
                 pickles.append(info)
+                offsets["data.pkl"] = info.header_offset
         if len(pickles) != 1:
             raise refusal(path, f"{len(pickles)} data.pkl records (a torch file has one)")
+        _refuse_unweighed(source, offsets, path)
         limit = max(FLOOR, MULTIPLE * size)
         info = pickles[0]
         if info.compress_type != zipfile.ZIP_STORED or info.file_size > limit:
@@ -412,6 +417,46 @@ def check_torch_file(source: IO[bytes], size: int, path: Path) -> None:
         source.seek(info.header_offset + 30 + name_length + extra_length)
         data = source.read(info.file_size)
     check_pickle(data, size, path, records)
+
+
+def _refuse_alike_names(archive: zipfile.ZipFile, path: Path) -> None:
+    """Refuse a zip holding two records whose names differ at most in case.
+
+    torch's zip reader (miniz) looks a name up ignoring case, and which of the two
+    it returns depends on the layout: the one weighed might not be the one loaded.
+    """
+    seen: dict[str, str] = {}
+    for info in archive.infolist():
+        folded = info.filename.lower()
+        if folded in seen:
+            raise refusal(
+                path,
+                f"two records named {seen[folded]!r:.80} and {info.filename!r:.80}, alike but "
+                "for case (torch's zip reader may read either; a torch file has one of each)",
+            )
+        seen[folded] = info.filename
+
+
+def _refuse_unweighed(source: IO[bytes], offsets: dict[str, int], path: Path) -> None:
+    """Refuse a zip where torch's own reader would pick another record than the one weighed.
+
+    ``offsets``: each weighed record's name (``data.pkl``, ``data/<key>``) -> its local
+    header. Asked of the reader ``torch.load`` uses, so no difference between two zip
+    parsers (a second directory, duplicate names) can put an unweighed record in its way.
+    """
+    source.seek(0)
+    try:
+        reader: Any = torch._C.PyTorchFileReader(source)
+        picked = {name: reader.get_record_header_offset(name) for name in offsets}
+    except (RuntimeError, ValueError, OSError) as error:
+        raise ValueError(f"not a torch file ({error})") from error
+    for name, offset in picked.items():
+        if offset != offsets[name]:
+            raise refusal(
+                path,
+                f"a record {name!r:.80} that torch's zip reader finds at byte {offset} and "
+                f"the zip's directory at byte {offsets[name]} (two records, one weighed)",
+            )
 
 
 def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorded] | None) -> None:
