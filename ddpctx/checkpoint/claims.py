@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import math
 import pickletools
 import struct
@@ -470,18 +471,21 @@ def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorde
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     held: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in metadata.storage_data.items():
         fqn = getattr(index, "fqn", None)
         held[str(fqn)] = held.get(str(fqn), 0) + int(info.length)
         record = None if manifest is None else manifest.get(info.relative_path)
         if manifest is not None and record is None:
             raise Damaged(str(path), f"its manifest does not list {info.relative_path!r}")
+        spans.setdefault(info.relative_path, []).append((info.offset, info.length, str(fqn)))
         if record is not None and info.offset + info.length > record.size:
             raise refusal(
                 path,
                 f"an entry {str(fqn)!r:.80} at bytes {info.offset}-{info.offset + info.length} "
                 f"of {info.relative_path!r}, which holds {record.size} bytes",
             )
+    _refuse_overlaps(path, spans)
     state = getattr(metadata, "state_dict_metadata", None)
     for fqn, stored in state.items() if isinstance(state, dict) else ():
         if not isinstance(stored, TensorStorageMetadata):
@@ -492,10 +496,46 @@ def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorde
             raise refusal(path, f"a tensor {str(fqn)!r:.80} without a size and dtype")
         if any(not isinstance(n, int) or n < 0 for n in size):
             raise refusal(path, f"a tensor {str(fqn)!r:.80} of size {size!r:.80}")
+        _refuse_outside(path, str(fqn), size, getattr(stored, "chunks", None))
         claimed = math.prod(size) * dtype.itemsize
         if claimed > held.get(str(fqn), 0):
             raise refusal(
                 path,
                 f"a tensor {str(fqn)!r:.80} of size {tuple(size)} ({claimed} bytes), and its "
                 f"entries in the shards hold {held.get(str(fqn), 0)} bytes",
+            )
+
+
+def _refuse_overlaps(path: Path, spans: dict[str, list[tuple[int, int, str]]]) -> None:
+    """Refuse entries that share bytes of one shard file (DCP writes each once, apart)."""
+    for name, found in spans.items():
+        found.sort()
+        for (start, length, fqn), (after, _, other) in itertools.pairwise(found):
+            if after < start + length:
+                raise refusal(
+                    path,
+                    f"entries {fqn!r:.80} and {other!r:.80} over the same bytes of {name!r} "
+                    f"(from {after}): DCP writes each entry once, apart from the others",
+                )
+
+
+def _refuse_outside(path: Path, fqn: str, size: tuple[int, ...], chunks: Any) -> None:
+    """Refuse a tensor's chunks that do not lie within it (negative offsets, past its end)."""
+    for chunk in chunks if isinstance(chunks, list) else ():
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        fits = (
+            isinstance(offsets, tuple)
+            and isinstance(sizes, tuple)
+            and len(offsets) == len(sizes) == len(size)
+            and all(isinstance(n, int) for n in (*offsets, *sizes))
+            and all(
+                at >= 0 and n >= 0 and at + n <= whole
+                for at, n, whole in zip(offsets, sizes, size, strict=True)
+            )
+        )
+        if not fits:
+            raise refusal(
+                path,
+                f"a chunk of tensor {fqn!r:.80} at {offsets!r:.60} of size {sizes!r:.60}, "
+                f"outside the tensor's size {tuple(size)}",
             )
