@@ -14,6 +14,7 @@ back to the older checkpoint, which is what it did before (the file was "torn").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pickle
 import re
@@ -59,7 +60,14 @@ DDP = {
         torch._utils._rebuild_tensor_v2, "str", 0, (1,), (1,), False, OrderedDict()
     ),
 }
-DCP = ["metadata-bytes8", "metadata-size", "entry-length", "tensor-size"]
+DCP = [
+    "metadata-bytes8",
+    "metadata-size",
+    "entry-length",
+    "tensor-size",
+    "chunk-outside",  # a weight's chunk at offset -1 (before: "could not be read ... again")
+    "entries-overlap",  # a weight's entry over its bias's bytes (before: the same)
+]
 #: Meta that loads cheaply and blows up once walked: a value 100,000 lists deep (before: a bare
 #: RecursionError in load_checkpoint, accepted by checkpoint_meta); 18 levels of lists each
 #: holding the one below twice (2^18 paths; before: read by all, exported at 20x the file).
@@ -95,6 +103,18 @@ def tamper(folder: Path, kind: str) -> Path:
     elif kind == "entry-length":
         index = next(i for i in metadata.storage_data if i.fqn.endswith("param_groups.0.lr"))
         metadata.storage_data[index].length = HUGE
+        carrier.write_bytes(pickle.dumps(metadata))
+    elif kind == "chunk-outside":
+        name = next(n for n in metadata.state_dict_metadata if n.endswith("0.weight"))
+        chunks = metadata.state_dict_metadata[name].chunks
+        offsets = torch.Size([-1, *chunks[0].offsets[1:]])
+        chunks[0] = dataclasses.replace(chunks[0], offsets=offsets)
+        carrier.write_bytes(pickle.dumps(metadata))
+    elif kind == "entries-overlap":
+        entries = metadata.storage_data
+        weight = next(i for i in entries if i.fqn.endswith("0.weight"))
+        bias = next(i for i in entries if i.fqn.endswith("0.bias"))
+        entries[weight] = dataclasses.replace(entries[weight], offset=entries[bias].offset)
         carrier.write_bytes(pickle.dumps(metadata))
     else:
         name = next(n for n in metadata.state_dict_metadata if n.endswith("0.weight"))
@@ -142,8 +162,12 @@ def plant(checkpoint: Path, kind: str) -> None:
             ops += b"](" + below + below + b"e" + b"r" + struct.pack("<I", level)
         write_zip(checkpoint, [*with_note(checkpoint, ops + b"e").items()])
         return
-    good = with_note(checkpoint, b"K\x01")
-    planted = with_note(checkpoint, b"X" + struct.pack("<I", 7) + b"planted")["data.pkl"]
+    if kind == "alike-names-only":  # any torch file: a copy of its data.pkl, planted
+        good = records(checkpoint.read_bytes())
+        planted = good["data.pkl"] + b"planted"  # past its STOP: read the same, told apart
+    else:
+        good = with_note(checkpoint, b"K\x01")
+        planted = with_note(checkpoint, b"X" + struct.pack("<I", 7) + b"planted")["data.pkl"]
     items = list(good.items())
     for where in range(len(items) + 1):  # where torch's lookup (case-blind) finds the planted
         for pad in range(40):
@@ -301,3 +325,29 @@ def test_a_small_expanded_buffer_a_user_saved_still_loads(
     assert run_distributed(saves_and_loads_a_broadcast_buffer, folder, world_size=1) == [
         [3000.0, 3000.0]
     ]
+
+
+def test_a_symlink_loop_named_like_the_newest_sharded_checkpoint_is_warned_about(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    # Before: checkpoint_meta read the older checkpoint without a word.
+    folder = tmp_path / "run"
+    shutil.copytree(saved["dcp"], folder)
+    loop = folder / "checkpoint-000009-epoch8.dcp"
+    loop.symlink_to(loop.name)
+    with pytest.warns(RuntimeWarning, match=rf"ignoring {re.escape(repr(str(loop)))}: it is named"):
+        assert checkpoint_meta(folder) is not None
+
+
+def test_a_shard_entry_with_names_alike_but_for_case_is_refused(tmp_path: Path) -> None:
+    # A shard entry is a torch file read by torch's zip reader too: the same rule.
+    from ddpctx.checkpoint.entries import weights_only_value
+    from ddpctx.checkpoint.files import RefusedCheckpoint
+
+    blob = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, blob)
+    entry = tmp_path / "entry.pt"
+    entry.write_bytes(blob.getvalue())
+    plant(entry, "alike-names-only")
+    with pytest.raises(RefusedCheckpoint, match=r"s\.distcp' was refused: it holds (two|a) rec"):
+        limited(weights_only_value, io.BytesIO(entry.read_bytes()), Path("s.distcp"), "w", True)
