@@ -5,7 +5,10 @@ Each payload is put in the newest of two checkpoints and its checksums re-signed
 ``.pt``'s meta, a tensor rebuilt over a string, a model weight expanded to 50 GB
 over 4 bytes (zero strides), a ``.metadata`` that claims 50 GiB with
 ``BINBYTES8``, one that is a ``torch.Size``, one giving the learning rate's
-entry a 50 GB length, one claiming a 50 GB tensor. Every reader runs under an
+entry a 50 GB length, one claiming a 50 GB tensor, one whose chunk lies outside
+its tensor or whose entries share bytes; a ``.pt`` whose meta nests 100,000 deep or
+expands 2^18-fold through shared lists, or that holds a second ``DATA.PKL`` torch's
+case-blind zip reader reads in place of the one weighed. Every reader runs under an
 address-space limit a few GiB above where it starts (a regression fails here,
 it cannot eat the machine), and must refuse naming the file -- never fall
 back to the older checkpoint, which is what it did before (the file was "torn").
@@ -351,3 +354,17 @@ def test_a_shard_entry_with_names_alike_but_for_case_is_refused(tmp_path: Path) 
     plant(entry, "alike-names-only")
     with pytest.raises(RefusedCheckpoint, match=r"s\.distcp' was refused: it holds (two|a) rec"):
         limited(weights_only_value, io.BytesIO(entry.read_bytes()), Path("s.distcp"), "w", True)
+
+
+def test_meta_nested_deeper_than_a_load_allows_is_refused_when_saved() -> None:
+    # A checkpoint is refused at load past MAX_DEPTH: so is its meta when saved, not after.
+    from ddpctx.checkpoint.meta import plain_meta
+    from ddpctx.checkpoint.shape import MAX_DEPTH, check_loaded
+
+    nested: Any = 1
+    for _ in range(MAX_DEPTH - 2):
+        nested = [nested]
+    state = {"meta": plain_meta({"deep": nested})}  # meta sits 2 deep in a checkpoint
+    check_loaded(state, 100, Path("a.pt"))  # loads
+    with pytest.raises(ValueError, match=r"nests more than 98 levels deep"):
+        plain_meta({"deep": [nested]})
