@@ -48,7 +48,8 @@ def plain_meta(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plain(value: Any, where: str, depth: int = 3) -> Any:
-    if depth > MAX_DEPTH:  # a checkpoint holds its meta 2 deep; deeper is refused at load
+    if depth > MAX_DEPTH and isinstance(value, (dict, list, tuple, argparse.Namespace)):
+        # a checkpoint holds its meta 2 deep; containers deeper are refused at load
         raise ValueError(
             f"checkpoint meta {where[:80]}... nests more than {MAX_DEPTH - 2} levels deep, and "
             f"a checkpoint whose values nest more than {MAX_DEPTH} deep is refused at load. "
