@@ -5,7 +5,10 @@ Each payload is put in the newest of two checkpoints and its checksums re-signed
 ``.pt``'s meta, a tensor rebuilt over a string, a model weight expanded to 50 GB
 over 4 bytes (zero strides), a ``.metadata`` that claims 50 GiB with
 ``BINBYTES8``, one that is a ``torch.Size``, one giving the learning rate's
-entry a 50 GB length, one claiming a 50 GB tensor. Every reader runs under an
+entry a 50 GB length, one claiming a 50 GB tensor, one whose chunk lies outside
+its tensor or whose entries share bytes; a ``.pt`` whose meta nests 100,000 deep or
+expands 2^18-fold through shared lists, or that holds a second ``DATA.PKL`` torch's
+case-blind zip reader reads in place of the one weighed. Every reader runs under an
 address-space limit a few GiB above where it starts (a regression fails here,
 it cannot eat the machine), and must refuse naming the file -- never fall
 back to the older checkpoint, which is what it did before (the file was "torn").
@@ -14,12 +17,14 @@ back to the older checkpoint, which is what it did before (the file was "torn").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pickle
 import re
 import resource
 import shutil
 import struct
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -58,14 +63,31 @@ DDP = {
         torch._utils._rebuild_tensor_v2, "str", 0, (1,), (1,), False, OrderedDict()
     ),
 }
-DCP = ["metadata-bytes8", "metadata-size", "entry-length", "tensor-size"]
-KINDS = [*DDP, "expanded", *DCP]
+DCP = [
+    "metadata-bytes8",
+    "metadata-size",
+    "entry-length",
+    "tensor-size",
+    "chunk-outside",  # a weight's chunk at offset -1 (before: "could not be read ... again")
+    "entries-overlap",  # a weight's entry over its bias's bytes (before: the same)
+]
+#: Meta that loads cheaply and blows up once walked: a value 100,000 lists deep (before: a bare
+#: RecursionError in load_checkpoint, accepted by checkpoint_meta); 18 levels of lists each
+#: holding the one below twice (2^18 paths; before: read by all, exported at 20x the file).
+#: And a second ``archive/DATA.PKL`` that torch's zip reader (case-blind) reads in place of
+#: the ``data.pkl`` weighed (before: its meta was what every reader returned).
+PLANTED = ["deep", "laughs", "alike-names"]
+KINDS = [*DDP, "expanded", *PLANTED, *DCP]
 READERS = ["checkpoint_meta", "load_weights", "export-safetensors", "load-2"]
 
 
 def tamper(folder: Path, kind: str) -> Path:
     """Put the payload ``kind`` in the newest checkpoint, checksums re-signed; the carrier."""
     checkpoint = newest(folder)
+    if kind in PLANTED:
+        plant(checkpoint, kind)
+        forge_manifest(sidecar(checkpoint), {})
+        return checkpoint
     if kind in DDP or kind == "expanded":
         state = torch.load(checkpoint, weights_only=False)
         if kind == "expanded":
@@ -85,12 +107,78 @@ def tamper(folder: Path, kind: str) -> Path:
         index = next(i for i in metadata.storage_data if i.fqn.endswith("param_groups.0.lr"))
         metadata.storage_data[index].length = HUGE
         carrier.write_bytes(pickle.dumps(metadata))
+    elif kind == "chunk-outside":
+        name = next(n for n in metadata.state_dict_metadata if n.endswith("0.weight"))
+        chunks = metadata.state_dict_metadata[name].chunks
+        offsets = torch.Size([-1, *chunks[0].offsets[1:]])
+        chunks[0] = dataclasses.replace(chunks[0], offsets=offsets)
+        carrier.write_bytes(pickle.dumps(metadata))
+    elif kind == "entries-overlap":
+        entries = metadata.storage_data
+        weight = next(i for i in entries if i.fqn.endswith("0.weight"))
+        bias = next(i for i in entries if i.fqn.endswith("0.bias"))
+        entries[weight] = dataclasses.replace(entries[weight], offset=entries[bias].offset)
+        carrier.write_bytes(pickle.dumps(metadata))
     else:
         name = next(n for n in metadata.state_dict_metadata if n.endswith("0.weight"))
         metadata.state_dict_metadata[name].size = torch.Size([HUGE // 4])
         carrier.write_bytes(pickle.dumps(metadata))
     forge_manifest(checkpoint / SHARDED_MANIFEST, {})  # whole files re-signed
     return carrier
+
+
+def records(blob: bytes) -> dict[str, bytes]:
+    """A torch file's records, by the names its reader gives them."""
+    reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
+    return {name: bytes(reader.get_record(name)) for name in reader.get_all_records()}
+
+
+def with_note(checkpoint: Path, opcodes: bytes) -> dict[str, bytes]:
+    """``checkpoint``'s records, its meta ``note`` made of raw pickle ``opcodes``."""
+    state = torch.load(checkpoint, weights_only=True)
+    state["meta"]["note"] = "@@NOTE@@"
+    blob = io.BytesIO()
+    torch.save(state, blob)
+    found = records(blob.getvalue())
+    marker = b"X" + struct.pack("<I", 8) + b"@@NOTE@@"
+    assert found["data.pkl"].count(marker) == 1
+    found["data.pkl"] = found["data.pkl"].replace(marker, opcodes)
+    return found
+
+
+def write_zip(path: Path, items: list[tuple[str, bytes]]) -> None:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in items:
+            archive.writestr(f"archive/{name}", data)
+
+
+def plant(checkpoint: Path, kind: str) -> None:
+    """Rewrite ``checkpoint`` with the meta payload ``kind`` (see :data:`PLANTED`)."""
+    if kind == "deep":
+        write_zip(checkpoint, [*with_note(checkpoint, b"]" * 100_000 + b"a" * 99_999).items()])
+        return
+    if kind == "laughs":
+        memo = 60_000
+        ops = b"](X" + struct.pack("<I", 64) + b"a" * 64 + b"r" + struct.pack("<I", memo)
+        for level in range(memo + 1, memo + 19):
+            below = b"j" + struct.pack("<I", level - 1)
+            ops += b"](" + below + below + b"e" + b"r" + struct.pack("<I", level)
+        write_zip(checkpoint, [*with_note(checkpoint, ops + b"e").items()])
+        return
+    if kind == "alike-names-only":  # any torch file: a copy of its data.pkl, planted
+        good = records(checkpoint.read_bytes())
+        planted = good["data.pkl"] + b"planted"  # past its STOP: read the same, told apart
+    else:
+        good = with_note(checkpoint, b"K\x01")
+        planted = with_note(checkpoint, b"X" + struct.pack("<I", 7) + b"planted")["data.pkl"]
+    items = list(good.items())
+    for where in range(len(items) + 1):  # where torch's lookup (case-blind) finds the planted
+        for pad in range(40):
+            padding = [(f"pad{n}", b"") for n in range(pad)]
+            write_zip(checkpoint, [*items[:where], ("DATA.PKL", planted), *items[where:], *padding])
+            if records(checkpoint.read_bytes()).get("data.pkl") == planted:
+                return
+    raise AssertionError("no layout where torch reads the planted DATA.PKL")
 
 
 def limited(read: Any, *args: Any) -> Any:
@@ -240,3 +328,43 @@ def test_a_small_expanded_buffer_a_user_saved_still_loads(
     assert run_distributed(saves_and_loads_a_broadcast_buffer, folder, world_size=1) == [
         [3000.0, 3000.0]
     ]
+
+
+def test_a_symlink_loop_named_like_the_newest_sharded_checkpoint_is_warned_about(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    # Before: checkpoint_meta read the older checkpoint without a word.
+    folder = tmp_path / "run"
+    shutil.copytree(saved["dcp"], folder)
+    loop = folder / "checkpoint-000009-epoch8.dcp"
+    loop.symlink_to(loop.name)
+    with pytest.warns(RuntimeWarning, match=rf"ignoring {re.escape(repr(str(loop)))}: it is named"):
+        assert checkpoint_meta(folder) is not None
+
+
+def test_a_shard_entry_with_names_alike_but_for_case_is_refused(tmp_path: Path) -> None:
+    # A shard entry is a torch file read by torch's zip reader too: the same rule.
+    from ddpctx.checkpoint.entries import weights_only_value
+    from ddpctx.checkpoint.files import RefusedCheckpoint
+
+    blob = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, blob)
+    entry = tmp_path / "entry.pt"
+    entry.write_bytes(blob.getvalue())
+    plant(entry, "alike-names-only")
+    with pytest.raises(RefusedCheckpoint, match=r"s\.distcp' was refused: it holds (two|a) rec"):
+        limited(weights_only_value, io.BytesIO(entry.read_bytes()), Path("s.distcp"), "w", True)
+
+
+def test_meta_nested_deeper_than_a_load_allows_is_refused_when_saved() -> None:
+    # A checkpoint is refused at load past MAX_DEPTH: so is its meta when saved, not after.
+    from ddpctx.checkpoint.meta import plain_meta
+    from ddpctx.checkpoint.shape import MAX_DEPTH, check_loaded
+
+    nested: Any = 1
+    for _ in range(MAX_DEPTH - 2):
+        nested = [nested]
+    state = {"meta": plain_meta({"deep": nested})}  # meta sits 2 deep in a checkpoint
+    check_loaded(state, 100, Path("a.pt"))  # loads
+    with pytest.raises(ValueError, match=r"nests more than 98 levels deep"):
+        plain_meta({"deep": [nested]})

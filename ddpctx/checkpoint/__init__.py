@@ -16,6 +16,7 @@
 - :mod:`~ddpctx.checkpoint.shardwriter`: DCP's file writer, keeping a failed write's ``errno``.
 - :mod:`~ddpctx.checkpoint.writefailures`: a failed sharded write as an ``OSError`` naming the path.
 - :mod:`~ddpctx.checkpoint.claims`: what a pickle claims, weighed against its file's size first.
+- :mod:`~ddpctx.checkpoint.shape`: what an unpickled value expands to, and how deep it nests.
 - :mod:`~ddpctx.checkpoint.sums`: checksums, recorded at save, verified by each rank as it reads.
 - :mod:`~ddpctx.checkpoint.writerlock`: one writing job per checkpoint directory, enforced.
 - :mod:`~ddpctx.checkpoint.faces`: ``ctx.save``/``load``/``save_checkpoint``/``load_checkpoint``.

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import math
 import pickletools
 import struct
@@ -389,15 +390,20 @@ def check_torch_file(source: IO[bytes], size: int, path: Path) -> None:
         return
     with archive:
         records: dict[str, int] = {}
+        offsets: dict[str, int] = {}
         pickles = []
+        _refuse_alike_names(archive, path)
         for info in archive.infolist():
             parts = info.filename.split("/")
             if len(parts) == 3 and parts[1] == "data":
                 records[parts[2]] = info.file_size
+                offsets[f"data/{parts[2]}"] = info.header_offset
             elif len(parts) == 2 and parts[1] == "data.pkl":
                 pickles.append(info)
+                offsets["data.pkl"] = info.header_offset
         if len(pickles) != 1:
             raise refusal(path, f"{len(pickles)} data.pkl records (a torch file has one)")
+        _refuse_unweighed(source, offsets, path)
         limit = max(FLOOR, MULTIPLE * size)
         info = pickles[0]
         if info.compress_type != zipfile.ZIP_STORED or info.file_size > limit:
@@ -414,6 +420,46 @@ def check_torch_file(source: IO[bytes], size: int, path: Path) -> None:
     check_pickle(data, size, path, records)
 
 
+def _refuse_alike_names(archive: zipfile.ZipFile, path: Path) -> None:
+    """Refuse a zip holding two records whose names differ at most in case.
+
+    torch's zip reader (miniz) looks a name up ignoring case, and which of the two
+    it returns depends on the layout: the one weighed might not be the one loaded.
+    """
+    seen: dict[str, str] = {}
+    for info in archive.infolist():
+        folded = info.filename.lower()
+        if folded in seen:
+            raise refusal(
+                path,
+                f"two records named {seen[folded]!r:.80} and {info.filename!r:.80}, alike but "
+                "for case (torch's zip reader may read either; a torch file has one of each)",
+            )
+        seen[folded] = info.filename
+
+
+def _refuse_unweighed(source: IO[bytes], offsets: dict[str, int], path: Path) -> None:
+    """Refuse a zip where torch's own reader would pick another record than the one weighed.
+
+    ``offsets``: each weighed record's name (``data.pkl``, ``data/<key>``) -> its local
+    header. Asked of the reader ``torch.load`` uses, so no difference between two zip
+    parsers (a second directory, duplicate names) can put an unweighed record in its way.
+    """
+    source.seek(0)
+    try:
+        reader: Any = torch._C.PyTorchFileReader(source)
+        picked = {name: reader.get_record_header_offset(name) for name in offsets}
+    except (RuntimeError, ValueError, OSError) as error:
+        raise ValueError(f"not a torch file ({error})") from error
+    for name, offset in picked.items():
+        if offset != offsets[name]:
+            raise refusal(
+                path,
+                f"a record {name!r:.80} that torch's zip reader finds at byte {offset} and "
+                f"the zip's directory at byte {offsets[name]} (two records, one weighed)",
+            )
+
+
 def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorded] | None) -> None:
     """Refuse a ``.metadata`` whose entries or tensors claim more than the shards hold.
 
@@ -425,18 +471,21 @@ def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorde
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     held: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in metadata.storage_data.items():
         fqn = getattr(index, "fqn", None)
         held[str(fqn)] = held.get(str(fqn), 0) + int(info.length)
         record = None if manifest is None else manifest.get(info.relative_path)
         if manifest is not None and record is None:
             raise Damaged(str(path), f"its manifest does not list {info.relative_path!r}")
+        spans.setdefault(info.relative_path, []).append((info.offset, info.length, str(fqn)))
         if record is not None and info.offset + info.length > record.size:
             raise refusal(
                 path,
                 f"an entry {str(fqn)!r:.80} at bytes {info.offset}-{info.offset + info.length} "
                 f"of {info.relative_path!r}, which holds {record.size} bytes",
             )
+    _refuse_overlaps(path, spans)
     state = getattr(metadata, "state_dict_metadata", None)
     for fqn, stored in state.items() if isinstance(state, dict) else ():
         if not isinstance(stored, TensorStorageMetadata):
@@ -447,10 +496,46 @@ def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorde
             raise refusal(path, f"a tensor {str(fqn)!r:.80} without a size and dtype")
         if any(not isinstance(n, int) or n < 0 for n in size):
             raise refusal(path, f"a tensor {str(fqn)!r:.80} of size {size!r:.80}")
+        _refuse_outside(path, str(fqn), size, getattr(stored, "chunks", None))
         claimed = math.prod(size) * dtype.itemsize
         if claimed > held.get(str(fqn), 0):
             raise refusal(
                 path,
                 f"a tensor {str(fqn)!r:.80} of size {tuple(size)} ({claimed} bytes), and its "
                 f"entries in the shards hold {held.get(str(fqn), 0)} bytes",
+            )
+
+
+def _refuse_overlaps(path: Path, spans: dict[str, list[tuple[int, int, str]]]) -> None:
+    """Refuse entries that share bytes of one shard file (DCP writes each once, apart)."""
+    for name, found in spans.items():
+        found.sort()
+        for (start, length, fqn), (after, _, other) in itertools.pairwise(found):
+            if after < start + length:
+                raise refusal(
+                    path,
+                    f"entries {fqn!r:.80} and {other!r:.80} over the same bytes of {name!r} "
+                    f"(from {after}): DCP writes each entry once, apart from the others",
+                )
+
+
+def _refuse_outside(path: Path, fqn: str, size: tuple[int, ...], chunks: Any) -> None:
+    """Refuse a tensor's chunks that do not lie within it (negative offsets, past its end)."""
+    for chunk in chunks if isinstance(chunks, list) else ():
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        fits = (
+            isinstance(offsets, tuple)
+            and isinstance(sizes, tuple)
+            and len(offsets) == len(sizes) == len(size)
+            and all(isinstance(n, int) for n in (*offsets, *sizes))
+            and all(
+                at >= 0 and n >= 0 and at + n <= whole
+                for at, n, whole in zip(offsets, sizes, size, strict=True)
+            )
+        )
+        if not fits:
+            raise refusal(
+                path,
+                f"a chunk of tensor {fqn!r:.80} at {offsets!r:.60} of size {sizes!r:.60}, "
+                f"outside the tensor's size {tuple(size)}",
             )

@@ -30,13 +30,11 @@ recompute a CRC. So ddpctx never lets DCP unpickle a checkpoint file:
   ranks' vote after the read (:mod:`ddpctx.checkpoint.shardload`) tells
   every rank.
 
-A checkpoint whose manifest predates per-entry records (written by an
-older ddpctx) has each shard file a rank reads verified whole, once,
-before its entries are read. Without a manifest nothing is verified (the
-loader warns), but nothing is unpickled unrestricted either.
+A checkpoint whose manifest predates per-entry records (written by an older ddpctx) has each
+shard file a rank reads verified whole, once, before its entries are read. Without a manifest
+nothing is verified (the loader warns), but nothing is unpickled unrestricted either.
 
-This module imports DCP (about a second); its users import it when first needed.
-Example:
+This module imports DCP (about a second); its users import it when first needed. Example:
     >>> ("torch", "Size") in admitted()
     True
     >>> ("os", "system") in admitted()
@@ -66,6 +64,7 @@ from ddpctx.checkpoint.claims import check_metadata_claims, check_pickle, refusa
 from ddpctx.checkpoint.entries import in_place_tensor, refused, weights_only_value
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.mapped import View, entry_bytes
+from ddpctx.checkpoint.shape import check_loaded
 from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
 from ddpctx.utils.digest import hasher
 
@@ -155,6 +154,7 @@ def read_metadata(path: Path, manifest: dict[str, Recorded] | None) -> Any:
             f"{path.name!r} does not read as DCP's metadata ({type(error).__name__}: "
             f"{str(error)[:200]})"
         ) from None
+    check_loaded(metadata, len(data), path, expanded=False)  # its depth; no cycle
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(storage, dict):
         raise bad(f"{path.name!r} is not DCP's metadata (it holds a {type(metadata).__name__})")

@@ -31,6 +31,7 @@ import torch
 from ddpctx.checkpoint.claims import check_torch_file, refusal
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.mapped import View
+from ddpctx.checkpoint.shape import check_loaded
 from ddpctx.checkpoint.sums import Damaged
 
 
@@ -68,9 +69,10 @@ def weights_only_value(data: IO[bytes], path: Path, entry: str, verified: bool =
     ``verified``: its checksum matched, so one that does not read is refused, not damaged.
     """
     data.seek(0, 2)
-    weigh(data, data.tell(), path, entry, verified)
+    length = data.tell()
+    weigh(data, length, path, entry, verified)
     try:
-        return torch.load(data, map_location="cpu", weights_only=True)
+        value = torch.load(data, map_location="cpu", weights_only=True)
     except Exception as error:
         if "Weights only load failed" in str(error):
             reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
@@ -79,6 +81,8 @@ def weights_only_value(data: IO[bytes], path: Path, entry: str, verified: bool =
                 f"pickled code in its entry {entry!r} ({reason}), which DCP's loader would run",
             ) from None
         raise unreadable(path, entry, error, verified) from None
+    check_loaded(value, length, path)
+    return value
 
 
 #: Processors whose loads and stores need no alignment: a tensor may start at any byte there.
@@ -123,7 +127,7 @@ def in_place_tensor(
         storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
     try:
         with serialization._open_zipfile_reader(View(data)) as archive:
-            return serialization._load(
+            value = serialization._load(
                 archive, "cpu", serialization._weights_only_unpickler, overall_storage=storage
             )
     except pickle.UnpicklingError as error:
@@ -133,3 +137,5 @@ def in_place_tensor(
         ) from None
     except Exception as error:
         raise unreadable(path, entry, error, verified) from None
+    check_loaded(value, len(data), path)
+    return value

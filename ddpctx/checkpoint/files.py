@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from ddpctx.checkpoint.claims import check_torch_file, refusal
+from ddpctx.checkpoint.shape import check_loaded
 from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
 from ddpctx.checkpoint.sums import (
     Torn,
@@ -201,15 +202,18 @@ def read_state(
     """The checkpoint at ``path``, loaded with ``weights_only=True`` onto ``device``.
 
     What it claims is weighed first (:mod:`ddpctx.checkpoint.claims`: nothing past a
-    small multiple of its size is allocated). :class:`~ddpctx.checkpoint.sums.Torn` when
-    it does not read as a torch file (torn, or missing); :class:`RefusedCheckpoint` when
+    small multiple of its size is allocated), and what it loaded before anything walks
+    it (:mod:`ddpctx.checkpoint.shape`: its depth, and its size with shared parts expanded).
+    :class:`~ddpctx.checkpoint.sums.Torn` when it does not read as a torch file (torn, or
+    missing); :class:`RefusedCheckpoint` when
     ``weights_only`` refuses what it holds (pickled code: refused as unsafe), it claims
     more than it holds, it is not a ddpctx checkpoint, or it fails to read although
     ``verified`` (its checksum matched: it was written so, it is not torn).
     """
     try:
         with open(path, "rb") as stream:
-            check_torch_file(stream, os.fstat(stream.fileno()).st_size, path)
+            size = os.fstat(stream.fileno()).st_size
+            check_torch_file(stream, size, path)
         try:
             state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
         except Exception:
@@ -239,6 +243,7 @@ def read_state(
             if missing
             else f"{path.name!r} does not read as a torch file ({said})",
         ) from error
+    check_loaded(state, size, path)  # before anything walks it: its depth, its expanded size
     if not (isinstance(state, dict) and state.get("format") == FORMAT):
         raise RefusedCheckpoint(
             f"{str(path)!r} is named like a checkpoint but is not a ddpctx checkpoint (no "

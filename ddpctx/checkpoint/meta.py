@@ -19,7 +19,8 @@ complex, ``torch.Tensor``
 ====================================  ==========================================
 
 Anything else is refused before anything is written, with a ``TypeError``
-naming the key path, the type and the fix.
+naming the key path, the type and the fix; meta nested deeper than a loaded
+checkpoint may be (``shape.MAX_DEPTH``) with a ``ValueError``.
 
 Example:
     >>> import numpy as np, pathlib
@@ -36,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddpctx.checkpoint.shape import MAX_DEPTH
+
 _PLAIN = (type(None), bool, int, float, str, bytes, complex)
 
 
@@ -44,7 +47,14 @@ def plain_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return {key: _plain(value, key) for key, value in meta.items()}
 
 
-def _plain(value: Any, where: str) -> Any:
+def _plain(value: Any, where: str, depth: int = 3) -> Any:
+    if depth > MAX_DEPTH and isinstance(value, (dict, list, tuple, argparse.Namespace)):
+        # a checkpoint holds its meta 2 deep; containers deeper are refused at load
+        raise ValueError(
+            f"checkpoint meta {where[:80]}... nests more than {MAX_DEPTH - 2} levels deep, and "
+            f"a checkpoint whose values nest more than {MAX_DEPTH} deep is refused at load. "
+            "Store it flatter (e.g. as a JSON string)."
+        )
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, _PLAIN):
@@ -58,18 +68,18 @@ def _plain(value: Any, where: str) -> Any:
     if isinstance(value, pathlib.PurePath):
         return str(value)
     if isinstance(value, argparse.Namespace):
-        return {key: _plain(item, f"{where}.{key}") for key, item in vars(value).items()}
+        return {key: _plain(item, f"{where}.{key}", depth + 1) for key, item in vars(value).items()}
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
             if not isinstance(key, (str, int)) or isinstance(key, bool):
                 return _refuse(key, f"{where} key {key!r}")
             out[key if type(key) in (str, int) else _PLAIN_BASE[_base(key)](key)] = _plain(
-                item, f"{where}[{key!r}]"
+                item, f"{where}[{key!r}]", depth + 1
             )
         return out
     if isinstance(value, (list, tuple)):
-        items = [_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        items = [_plain(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     return _refuse(value, where)
 

@@ -59,11 +59,17 @@ def checkpoint_dirs(directory: Path) -> list[Path]:
     """The sharded checkpoint directories in ``directory``, newest (highest number) first."""
     if not directory.is_dir():
         return []
-    numbered = [
-        (int(match.group(1)), path.name, path)
-        for path in directory.iterdir()
-        if (match := _NAME.match(path.name)) and path.is_dir()
-    ]
+    numbered = []
+    for path in directory.iterdir():
+        if (match := _NAME.match(path.name)) and path.is_dir():
+            numbered.append((int(match.group(1)), path.name, path))
+        elif match and path.is_symlink():  # a loop, or its target gone: not silently ignored
+            warn_user(
+                f"ignoring {str(path)!r}: it is named like a sharded checkpoint but is a "
+                "symbolic link that leads to no directory (a loop, or its target is gone). "
+                "Point it at the checkpoint directory, or remove it.",
+                RuntimeWarning,
+            )
     return [path for _, _, path in sorted(numbered, reverse=True)]
 
 

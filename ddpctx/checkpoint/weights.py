@@ -53,6 +53,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 
+from ddpctx.checkpoint.claims import refusal
 from ddpctx.checkpoint.files import (
     ANY_NAME,
     FORMAT,
@@ -228,6 +229,8 @@ def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
         if (cause := cause_of(error)) is not None:
             raise cause from None
         said = failures_said(error)[:300]
+        if recorded is not None:  # its checksums matched: written so, not being written
+            raise refusal(checkpoint / METADATA_FILE, f"entries DCP cannot read ({said})") from None
         raise RuntimeError(
             f"{str(checkpoint)!r} could not be read by DCP ({said}). If a job is writing this "
             "directory, read it again (or pass the directory, whose newest checkpoint is read)."
