@@ -21,7 +21,13 @@ on rank 0 only, from the trail's writer thread. Contract:
   :data:`~ddpctx.watch.servers.REQUEST_S` per batch, with no retry inside it;
   while it does not answer, points wait on rank 0 and go when it answers
   (:mod:`ddpctx.watch.servers`). :attr:`MLflowLogger.unsent` counts what it
-  lacks, for the exact count at the end of the block.
+  lacks, for the exact count at the end of the block, and
+  :attr:`MLflowLogger.maybe_held` those of them sent without an answer in
+  time (the server may hold them); once abandoned it sends nothing more.
+
+Why one module: the run's life on the server (open, resume, dedupe, close)
+and the count of what the server lacks change together at every send; its
+REST wire and run record already live apart.
 """
 
 from __future__ import annotations
