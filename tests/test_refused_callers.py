@@ -327,6 +327,18 @@ def in_atomic_dir(ctx: DistContext, call: Callable[[DistContext], Any], where: P
             call(ctx)
 
 
+def every_rank_in_rank_zero_block(ctx: DistContext, call: Callable[[DistContext], Any]) -> None:
+    with ctx.rank_zero():  # no `if main:`: every rank reaches the call
+        call(ctx)
+
+
+def every_rank_in_atomic_dir(
+    ctx: DistContext, call: Callable[[DistContext], Any], where: Path
+) -> None:
+    with ctx.atomic_dir(where / "out"):  # no `if tmp:` (e.g. a full_state_dict gathered there)
+        call(ctx)
+
+
 def in_rank_zero_first(ctx: DistContext, call: Callable[[DistContext], Any]) -> None:
     with rank_zero_first():
         if ctx.rank == 0:
@@ -339,7 +351,11 @@ BLOCKS: dict[str, tuple[Callable[..., None], str]] = {
     "broadcast=True": (in_broadcast_function, "inside rank_zero_only function"),
     "ctx.atomic_dir()": (in_atomic_dir, "inside a ctx.atomic_dir() block"),
     "rank_zero_first": (in_rank_zero_first, "inside a rank_zero_first block"),
+    # Found by the outside attack: every rank waited out the collective timeout.
+    "ctx.rank_zero() unguarded": (every_rank_in_rank_zero_block, "inside a ctx.rank_zero() block"),
+    "ctx.atomic_dir() unguarded": (every_rank_in_atomic_dir, "inside a ctx.atomic_dir() block"),
 }
+UNGUARDED = {"ctx.rank_zero() unguarded", "ctx.atomic_dir() unguarded"}
 
 
 @RANKS
@@ -352,10 +368,10 @@ def test_a_collective_inside_rank_zero_work_is_refused_at_once_on_every_rank(
     # `with ctx.rank_zero():` waited 46 s under launch(), 120 s under torchrun.
     run, says_block = BLOCKS[block]
     collective, says_call = CALLS[call]
-    args = (
-        (dist_ctx, collective, tmp_path) if block == "ctx.atomic_dir()" else (dist_ctx, collective)
-    )
-    expected = RuntimeError if dist_ctx.rank == 0 else RankZeroError
+    atomic = block.startswith("ctx.atomic_dir()")
+    args = (dist_ctx, collective, tmp_path) if atomic else (dist_ctx, collective)
+    # Unguarded, every rank calls it: each is refused itself, naming its own line.
+    expected = RuntimeError if dist_ctx.rank == 0 or block in UNGUARDED else RankZeroError
     error = refused_at_once(lambda: run(*args), expected)
     assert says_call in str(error), str(error)
     assert says_block in str(error), str(error)

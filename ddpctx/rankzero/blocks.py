@@ -51,8 +51,9 @@ def rank_zero_block(
     rank-zero work the block simply runs where it is (nobody else is there to
     wait), and rank-zero work inside the block runs directly too, as inside a
     ``@rank_zero_only`` function (see :mod:`ddpctx.rankzero.outcome`). A collective
-    inside rank 0's block is refused at once (see :mod:`ddpctx.reduce.guard`); ``what``
-    names the block in that error.
+    inside the block is refused at once on whichever rank calls it, rank 0 or
+    another (see :mod:`ddpctx.reduce.guard`): the others' side of the block runs
+    while rank 0's runs alone. ``what`` names the block in that error.
     """
     nested = inside_rank_zero_work()
     if nested == "first":
@@ -63,7 +64,14 @@ def rank_zero_block(
             yield main
         return
     if not place.is_zero(local):
-        yield False
+        # This rank's side of the block runs while rank 0's runs alone: a collective in it
+        # would pair with nothing there, so it is refused here too (every rank, at once).
+        try:
+            with running_alone("function", what):
+                yield False
+        except BaseException:
+            share(None, place, local)  # rank 0 still reports its block: take it, raise ours
+            raise
         outcome, source = share(None, place, local)
         outcome.result(source)  # RankZeroError if rank 0's block failed
         return
