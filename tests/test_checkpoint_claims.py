@@ -266,8 +266,11 @@ def test_a_claim_is_weighed_without_allocating_it() -> None:
 
     blob = io.BytesIO()
     torch.save({"note": Calls(bytearray, HUGE)}, blob)
-    with pytest.raises(RefusedCheckpoint, match=r"builtins.bytearray\(\) of 53687091200"):
+    with pytest.raises(RefusedCheckpoint, match=r"builtins.bytearray\(\) of 53687091200") as said:
         limited(check_torch_file, io.BytesIO(blob.getvalue()), len(blob.getvalue()), Path("a.pt"))
+    # The claim said is the bytearray's own size (before: 16 bytes an element, 16x too big).
+    claimed = int(re.search(r"what it claims to (\d+) bytes", str(said.value)).group(1))  # type: ignore[union-attr]
+    assert HUGE <= claimed < HUGE + (1 << 20), str(said.value)
 
 
 def test_a_deleted_newest_pt_whose_manifest_stayed_is_said_naming_it(

@@ -12,8 +12,9 @@ walks its opcodes (:func:`pickletools.genops`, which reads no more than the
 bytes there) with a small model of the unpickler's stack, and refuses
 (:class:`~ddpctx.checkpoint.sums.RefusedCheckpoint`, naming the file) when:
 
-- what it would allocate -- each constructor's claimed size (16 bytes an
-  element, the widest), each tensor's elements times their size, a ``.pt``
+- what it would allocate -- each constructor's claimed size (a byte an
+  element for ``bytearray``, a storage's dtype size, else 16 bytes, the
+  widest), each tensor's elements times their size, a ``.pt``
   record's storage -- adds up to more than :data:`MULTIPLE` times the
   file's own size (tied weights, two names over one storage, count twice:
   a model of one tied embedding uses 2x);
@@ -90,6 +91,7 @@ _HARMLESS = {  # callables whose int arguments allocate nothing
     "torch._utils._rebuild_sparse_tensor",
     "torch._utils._rebuild_nested_tensor",
 }
+_BYTES = {"builtins.bytearray", "builtins.bytes"}
 _REFUSED_OPS = {"NEXT_BUFFER", "READONLY_BUFFER", "EXT1", "EXT2", "EXT4"}
 
 
@@ -210,8 +212,10 @@ class _Claims:
             self.add(elements * 16, f"a tensor without storage of {elements} elements")
             return _OPAQUE
         if name not in _HARMLESS:  # bytearray(n), torch.FloatStorage(n), torch.Tensor(a, b)...
-            claimed = 16 * math.prod(max(0, n) for arg in args for n in _ints(arg))
-            self.add(claimed, f"{name}() of {claimed // 16} elements")
+            elements = math.prod(max(0, n) for arg in args for n in _ints(arg))
+            # Bytes a byte, a storage its dtype's size; anything else the widest (16).
+            each = 1 if name in _BYTES else _itemsizes().get(name, 16)
+            self.add(elements * each, f"{name}() of {elements} elements ({each} bytes each)")
         return _OPAQUE
 
 
