@@ -104,6 +104,8 @@ def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoin
     assert "MLFLOW_TRACKING_URI" in start
     (end,) = said(caught, r"points were never written")
     assert "30 of its 30 points" in end, end
+    # Named as a user knows it (before: "<ddpctx.watch.mlflow_logger.MLflowLogger object at ..>")
+    assert "the logger MLflowLogger behind" in end, end
 
 
 @pytest.mark.slow

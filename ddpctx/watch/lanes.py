@@ -87,6 +87,14 @@ class Lane:
         self._thread.start()
 
     @property
+    def named(self) -> str:
+        """The logger as its warnings name it: its own repr, else its class (no address)."""
+        kind = type(self.logger)
+        if getattr(kind, "__repr__", None) is not getattr(object, "__repr__", None):
+            return repr(self.logger)
+        return kind.__name__
+
+    @property
     def stuck(self) -> bool:
         since = self._busy_since
         return since is not None and time.monotonic() - since >= self._stuck_after
@@ -167,7 +175,7 @@ class Lane:
                 else ""
             )
             warn_user(
-                f"ddpctx left the logger {self.logger!r} behind at the end of the block: "
+                f"ddpctx left the logger {self.named} behind at the end of the block: "
                 f"{missing} of its {self.received} points were never written by it ({why}"
                 f"{unsure}). The other loggers have all of them; fix that logger or its server "
                 "(or remove it from loggers=) to keep its trail.",
@@ -179,7 +187,7 @@ class Lane:
             return
         self.warned_wait = True
         warn_user(
-            f"ddpctx: {what} waited {seconds:g} s for the logger {self.logger!r} (the most it "
+            f"ddpctx: {what} waited {seconds:g} s for the logger {self.named} (the most it "
             "waits for it) and goes on: what that logger has not written yet is not covered "
             f"by {what}. It keeps writing while the block runs.",
             RuntimeWarning,
@@ -191,7 +199,7 @@ class Lane:
         self.warned_stuck = True
         since = self._busy_since or time.monotonic()
         warn_user(
-            f"ddpctx's logger {self.logger!r} has been inside one call for "
+            f"ddpctx's logger {self.named} has been inside one call for "
             f"{time.monotonic() - since:.0f} s (stuck); {what} goes on without waiting for it. "
             "The other loggers keep writing; this one gets what it missed if it returns. "
             "Fix that logger, or remove it from loggers=.",
@@ -256,7 +264,7 @@ class Lane:
         except Exception as error:
             self.dropped = True
             warn_user(
-                f"ddpctx dropped the logger {self.logger!r}: its {method}() raised {error!r}. "
+                f"ddpctx dropped the logger {self.named}: its {method}() raised {error!r}. "
                 "The other loggers go on; fix the logger (or remove it from loggers=) "
                 "to keep its trail.",
                 RuntimeWarning,
