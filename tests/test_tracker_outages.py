@@ -86,7 +86,7 @@ def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoin
         with distributed(log_dir=tmp_path / "log", loggers=(logger,)) as ctx:
             wrapped = ctx.wrap(model)
             deadline = time.monotonic() + patience(10)
-            while not said(caught, "does not answer at the start"):
+            while not said(caught, "does not serve at the start"):
                 assert time.monotonic() < deadline, [str(w.message) for w in caught]
                 time.sleep(0.05)
             for step in range(30):
@@ -99,7 +99,7 @@ def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoin
     # Before: the first save waited ~120 s (MLflow's own retries, then "stuck").
     assert max(saves) < SAVE_BOUND_S, saves
     assert took < 3 * SAVE_BOUND_S + 3 * 3 * TRACKER_WAIT_S, took
-    (start,) = said(caught, "does not answer at the start")
+    (start,) = said(caught, "does not serve at the start")
     assert uri in start
     assert "MLFLOW_TRACKING_URI" in start
     (end,) = said(caught, r"points were never written")
@@ -316,7 +316,7 @@ def test_a_slow_mlflow_server_costs_the_loop_at_most_its_documented_bound(
     assert tracked - plain < 2 * SLOW_LOOP_EXTRA_S, (plain, tracked, saves, messages)
     # It answers, if in 2 s: up, never said to be down (before: a 2 s probe limit called it
     # down at the start, and it got none of the 30 points).
-    assert not said(caught, "does not answer"), messages
+    assert not said(caught, "does not serve"), messages
     lost = said(caught, r"points were never written")
     steps = sorted(point.step for point in held)
     if not lost:

@@ -102,7 +102,8 @@ class Server:
         self.down_since = time.monotonic()
         when = "at the start of the block" if at_start else "now"
         warn_user(
-            f"{self.name}: the tracking server {self.uri} does not answer {when} ({why}). "
+            f"{self.name}: the tracking server {self.uri} does not serve {when} (it does not "
+            f"answer, or answers with a server error: {why}). "
             f"Training goes on: its points wait on rank 0 ({waiting} so far, up to {BACKLOG}) "
             f"and are sent when it answers (tried every {RETRY_S:g} s); checkpoints wait for "
             f"it at most {TRACKER_WAIT_S:g} s. Start the server, or point tracking_uri= / "
