@@ -122,7 +122,7 @@ def test_bad_decorator_options_fail_at_decoration(kwargs: dict[str, object], exp
     [
         ({"loss": 1.0, "tag": "best"}, {}, TypeError, "['tag'] is str 'best'"),
         ({"a": [1.0, None]}, {}, TypeError, "['a'][1] is NoneType None"),
-        ({"x": torch.tensor(1j)}, {}, TypeError, "['x'] is Tensor"),
+        ({"x": torch.tensor(1j)}, {}, TypeError, "['x'] is a complex tensor (torch.complex64)"),
         ("text", {}, TypeError, "the result is str 'text'"),
         ({"loss": 1.0}, {"weight": "count"}, ValueError, "['loss'] has no 'count' leaf"),
         ({"loss": 1.0}, {"op": {"los": "max"}}, ValueError, "names ['los'], which the result"),

@@ -67,6 +67,14 @@ def mlflow_server(folder: Path, port: int) -> Iterator[str]:
         stop_group(server)
 
 
+def wait_until(done: Any, what: str) -> None:
+    """Wait (patiently: a busy runner) for ``done()``: the premise of a test, not its bound."""
+    deadline = time.monotonic() + patience(120)
+    while not done():
+        assert time.monotonic() < deadline, f"{what} never came"
+        time.sleep(0.1)
+
+
 def said(caught: list[warnings.WarningMessage], pattern: str) -> list[str]:
     return [str(w.message) for w in caught if re.search(pattern, str(w.message))]
 
@@ -134,6 +142,7 @@ def test_an_mlflow_server_killed_mid_run_costs_no_step_and_its_losses_are_counte
                     ctx.log({"loss": float(step)})
                     time.sleep(0.02)
                     if step == 13:
+                        wait_until(lambda: record_path(log_dir, "mlflow").exists(), "the run")
                         server.__exit__(None, None, None)  # killed mid-run
                     if step % 10 == 9:
                         before = time.monotonic()
@@ -142,6 +151,8 @@ def test_an_mlflow_server_killed_mid_run_costs_no_step_and_its_losses_are_counte
                     if step == 29 and back_before_the_end:
                         server = mlflow_server(folder, port)
                         server.__enter__()
+                        # back before the end: the logger has seen it answer again
+                        wait_until(lambda: logger.server.down_since is None, "the comeback")
         finally:
             server.__exit__(None, None, None)
     # Before: the save after the kill waited ~120 s.
@@ -432,3 +443,15 @@ def test_points_sent_without_an_answer_in_time_are_counted_apart_as_maybe_held(
     maybe = int(unsure.group(1))
     lacking = 30 - len({point.step for point in held})
     assert missing - maybe <= lacking <= missing, (message, sorted(p.step for p in held))
+
+
+def test_a_tracker_wait_other_than_the_default_is_read_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("DDPCTX_TRACKER_WAIT", "30")
+    assert MLflowLogger(tmp_path, tracking_uri="sqlite:///x.db").wait_s == 30.0
+    for bad in ("soon", "0", "-5", "inf"):
+        monkeypatch.setenv("DDPCTX_TRACKER_WAIT", bad)
+        with pytest.raises(ValueError, match=rf"DDPCTX_TRACKER_WAIT='{bad}' is not a positive"):
+            MLflowLogger(tmp_path, tracking_uri="sqlite:///x.db")

@@ -155,7 +155,10 @@ def kill_and_restart(tmp_path: Path, loggers: str, **env: str) -> Path:
         capture_output=True,
         text=True,
         timeout=patience(300),
-        env=child_env(LOGGERS=loggers, **QUIET, **env),
+        # Exactly once across the kill holds for what the checkpoint waited for: on a busy CI
+        # runner a tracker's first send (its import, the run's creation) can take longer than
+        # the default 5 s bound, which tests/test_tracker_outages.py checks on its own.
+        env=child_env(LOGGERS=loggers, DDPCTX_TRACKER_WAIT=str(patience(60)), **QUIET, **env),
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr[-3000:]

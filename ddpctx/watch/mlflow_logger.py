@@ -57,6 +57,7 @@ from ddpctx.watch.servers import (
     TRACKER_WAIT_S,
     Server,
     is_http,
+    tracker_wait_s,
     unreachable,
 )
 
@@ -90,7 +91,8 @@ class MLflowLogger:
     #: How long one call may take before the trail counts this logger as stuck and stops
     #: waiting for it: its first call imports the package and talks to the server.
     stuck_after_s = TRACKER_PATIENCE_S
-    #: The most a checkpoint waits for this logger (the end of the block: three times this).
+    #: The most a checkpoint waits for this logger (the end of the block: three times this);
+    #: ``DDPCTX_TRACKER_WAIT`` sets it when the logger is made.
     wait_s = TRACKER_WAIT_S
 
     def __init__(
@@ -104,6 +106,7 @@ class MLflowLogger:
         send_every_s: float = 1.0,
     ) -> None:
         require("mlflow", "mlflow")
+        self.wait_s = tracker_wait_s()
         if not isinstance(send_every_s, (int, float)) or send_every_s < 0:
             raise ValueError(
                 f"MLflowLogger(send_every_s={send_every_s!r}): pass seconds >= 0 "

@@ -8,6 +8,8 @@ training and checkpoints wait for it a bounded time only. Contract:
   tracker's flush (``wait_s`` on the logger; :mod:`ddpctx.watch.lanes`
   enforces it), the end of the block at most three times as long (send
   the rest, mark the run), then goes on; a step never waits for it.
+  ``DDPCTX_TRACKER_WAIT`` (seconds) sets another bound: points a checkpoint
+  did not wait for are lost if the job is killed before the server got them.
 - One request to the server, and a probe of its health, is given
   :data:`REQUEST_S`, with no retry inside it: a slow server that answers
   within it is up. A failed send leaves its points waiting, and they are
@@ -29,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +45,33 @@ REQUEST_S = 5.0
 #: A probe of a server's health: its limit, one request's (a server that answers its
 #: requests slowly is up; a shorter probe called a 2 s server down and sent it nothing).
 PROBE_S = REQUEST_S
+#: Seconds a checkpoint waits for a tracker instead of :data:`TRACKER_WAIT_S`.
+WAIT_VARIABLE = "DDPCTX_TRACKER_WAIT"
+
+
+def tracker_wait_s() -> float:
+    """The most a checkpoint waits for a tracker: ``$DDPCTX_TRACKER_WAIT``, else the default.
+
+    A longer wait trades checkpoint latency for completeness: a point a
+    checkpoint did not wait for is lost if the job is then killed before the
+    server got it (a resumed run logs only the steps after the checkpoint).
+    """
+    value = os.environ.get(WAIT_VARIABLE)
+    if value is None or value == "":
+        return TRACKER_WAIT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(
+            f"{WAIT_VARIABLE}={value!r} is not a positive number of seconds. Set it to how long "
+            f"a checkpoint may wait for a tracking server (e.g. {WAIT_VARIABLE}=30), or unset "
+            f"it for the default {TRACKER_WAIT_S:g} s."
+        )
+    return seconds
+
+
 #: How often a server that does not answer is probed again.
 RETRY_S = 5.0
 #: Points a logger keeps for a server that does not answer; older ones beyond it are counted.
@@ -106,7 +136,7 @@ class Server:
             f"answer, or answers with a server error: {why}). "
             f"Training goes on: its points wait on rank 0 ({waiting} so far, up to {BACKLOG}) "
             f"and are sent when it answers (tried every {RETRY_S:g} s); checkpoints wait for "
-            f"it at most {TRACKER_WAIT_S:g} s. Start the server, or point tracking_uri= / "
+            f"it at most {tracker_wait_s():g} s. Start the server, or point tracking_uri= / "
             "MLFLOW_TRACKING_URI at one that runs.",
             RuntimeWarning,
         )

@@ -59,7 +59,7 @@ from ddpctx.watch.runrecord import (
     require,
     write_record,
 )
-from ddpctx.watch.servers import TRACKER_WAIT_S
+from ddpctx.watch.servers import TRACKER_WAIT_S, tracker_wait_s
 
 __all__ = [
     "MLFLOW_BATCH",
@@ -96,7 +96,8 @@ class WandbLogger:
     #: How long one call may take before the trail counts this logger as stuck and stops
     #: waiting for it: its first call imports the package and talks to the server.
     stuck_after_s = TRACKER_PATIENCE_S
-    #: The most a checkpoint waits for this logger (the end of the block: three times this).
+    #: The most a checkpoint waits for this logger (the end of the block: three times this);
+    #: ``DDPCTX_TRACKER_WAIT`` sets it when the logger is made.
     wait_s = TRACKER_WAIT_S
 
     def __init__(
@@ -111,6 +112,7 @@ class WandbLogger:
         **init: Any,
     ) -> None:
         require("wandb", "wandb")
+        self.wait_s = tracker_wait_s()
         taken = {"id", "resume", "resume_from", "fork_from", "reinit", "config"} & set(init)
         if taken:
             raise ValueError(
