@@ -346,3 +346,15 @@ def test_full_state_dict_gives_every_rank_rank0s_non_persistent_buffers(where: s
         assert torch.equal(sharded.projection, rank0)
         everyone = ctx.all_gather(sharded(torch.ones(2, 4)).detach())
         assert all(torch.equal(output, everyone[0]) for output in everyone)
+
+
+@pytest.mark.distributed(world_size=2, timeout=120, init=False)
+def test_a_model_with_an_expanded_buffer_is_refused_by_shard_on_every_rank() -> None:
+    # Found by the outside attack: rank 0's values were broadcast into the 4 floats such a
+    # buffer owns, 64 written ("malloc(): unaligned tcache chunk detected", SIGABRT on rank 1).
+    model = nn.Linear(4, 4)
+    model.register_buffer("mask", torch.ones(1, 4).expand(16, 4))
+    with distributed(seed=0) as ctx:
+        with pytest.raises(ValueError, match=r"'mask' of the model is an expanded tensor"):
+            ctx.shard(model)
+        ctx.barrier()  # every rank refused it, and is still in step

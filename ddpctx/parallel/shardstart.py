@@ -78,7 +78,20 @@ def _agree(rank: int, world_size: int, meta: bool, given: object) -> tuple[bool,
 
 
 def broadcast_rank0_tensors(model: nn.Module) -> None:
-    """Overwrite ``model``'s parameters and buffers with rank 0's, in place (DDP's start)."""
+    """Overwrite ``model``'s parameters and buffers with rank 0's, in place (DDP's start).
+
+    An expanded tensor (a stride of 0) is refused first, as DDP refuses it: a
+    broadcast writes every element, past the few bytes such a tensor owns.
+    """
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    for name, tensor in named:
+        if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.size(), strict=True)):
+            raise ValueError(
+                f"{name!r} of the model is an expanded tensor (a stride of 0, size "
+                f"{tuple(tensor.size())}): ctx.shard cannot give it rank 0's values (DDP refuses "
+                "it too). Make it a tensor of its own (.expand(...).clone()), or build it in "
+                "forward from a smaller buffer."
+            )
     with torch.no_grad():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
             dist.broadcast(tensor.data, src=0)
