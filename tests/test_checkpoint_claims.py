@@ -371,3 +371,34 @@ def test_meta_nested_deeper_than_a_load_allows_is_refused_when_saved() -> None:
     check_loaded(state, 100, Path("a.pt"))  # loads
     with pytest.raises(ValueError, match=r"nests more than 98 levels deep"):
         plain_meta({"deep": [nested]})
+
+
+@pytest.mark.parametrize("kind", ["ddp", "dcp"])
+def test_a_manifest_that_is_a_pipe_is_damage_not_a_wait(
+    saved: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    # Found by the outside attack: a FIFO as the manifest (a tar of an untrusted archive can
+    # make one) hung every reader forever, opening it.
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env, patience
+
+    folder = tmp_path / "run"
+    shutil.copytree(saved[kind], folder)
+    checkpoint = newest(folder)
+    manifest = checkpoint / SHARDED_MANIFEST if kind == "dcp" else sidecar(checkpoint)
+    manifest.unlink()
+    os.mkfifo(manifest)
+    code = f"import ddpctx; print(ddpctx.checkpoint_meta({str(folder)!r}))"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        env=child_env(),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not a regular file" in done.stderr, done.stderr[-2000:]
+    assert str(manifest) in done.stderr, done.stderr[-2000:]

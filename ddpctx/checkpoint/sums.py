@@ -76,6 +76,7 @@ import errno
 import json
 import os
 import re
+import stat
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -288,6 +289,15 @@ def unverifiable(path: Path, error: UnknownAlgorithm) -> RefusedCheckpoint:
     )
 
 
+def _regular_file_bytes(path: Path) -> bytes:
+    """The bytes of ``path``; OSError, never a wait, when it is no regular file (a FIFO)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO waits otherwise
+    with os.fdopen(descriptor, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise OSError(f"{str(path)!r} is not a regular file (a pipe or a device)")
+        return stream.read()
+
+
 def read_manifest(path: Path) -> dict[str, Recorded] | str:
     """The recorded sums, or why the manifest itself is damaged.
 
@@ -296,9 +306,9 @@ def read_manifest(path: Path) -> dict[str, Recorded] | str:
     an algorithm this ddpctx cannot compute is :class:`RefusedCheckpoint` naming it.
     """
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = _regular_file_bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        return f"its manifest {path.name!r} cannot be read ({type(error).__name__})"
+        return f"its manifest {path.name!r} cannot be read ({type(error).__name__}: {error})"
     body, _, trailer = text.removesuffix("\n").rpartition("\n")
     match = _TRAILER.match(trailer)
     if match is None or match.group(1) != f"{zlib.crc32(body.encode()):08x}":
