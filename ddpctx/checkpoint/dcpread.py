@@ -372,18 +372,11 @@ class Reader(FileSystemReader):
             plain.seek(0)
             planner.load_bytes(item, plain)
             return
-        target = planner.resolve_tensor(item).detach()
-        shape = zip(target.stride(), target.size(), strict=True)
-        if any(stride == 0 and size > 1 for stride, size in shape):
-            raise ValueError(  # torch's own load refuses it too; writing it corrupted memory
-                f"{entry!r} in the state being loaded is an expanded tensor (a stride of 0, size "
-                f"{tuple(target.size())}): a load cannot write into it. Make it a tensor of its "
-                "own (.expand(...).clone()) or register the buffer with persistent=False."
-            )
         loaded = None if descriptors else in_place_tensor(data, info.offset, path, entry, verified)
         if loaded is None:
             loaded = weights_only_value(stream, path, entry, verified)
         tensor = _narrow(loaded, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise ValueError(
                 f"{str(path)!r}: its entry {entry!r} holds a tensor of size "
