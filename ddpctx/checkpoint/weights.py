@@ -229,7 +229,9 @@ def _sharded(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
         if (cause := cause_of(error)) is not None:
             raise cause from None
         said = failures_said(error)[:300]
-        if recorded is not None:  # its checksums matched: written so, not being written
+        # its checksums matched and it is still there: written so (a writer pruning it mid-read
+        # takes it away: that is read again, as before)
+        if recorded is not None and (checkpoint / METADATA_FILE).exists():
             raise refusal(checkpoint / METADATA_FILE, f"entries DCP cannot read ({said})") from None
         raise RuntimeError(
             f"{str(checkpoint)!r} could not be read by DCP ({said}). If a job is writing this "
