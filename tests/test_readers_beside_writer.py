@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.timeout(120)  # each test: a writer of at most 60 s, re
 
 WRITER = """
 import sys, time
+from collections.abc import Callable
 from pathlib import Path
 import torch
 from torch import nn
@@ -125,6 +127,10 @@ def test_reads_beside_a_writer_that_prunes_return_whole_newest_checkpoints(
     assert steps[-1] > steps[0], steps
 
 
+def small() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
 def filled(model: torch.nn.Module, step: int) -> None:
     with torch.no_grad():
         for parameter in model.parameters():
@@ -142,8 +148,7 @@ def test_a_read_overtaken_by_a_save_that_prunes_starts_over_on_the_newest(
 
     folder = tmp_path / "checkpoints"
     with distributed(seed=0) as ctx:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-        model = ctx.wrap(model) if mode == "wrap" else ctx.shard(model)
+        model = ctx.wrap(small()) if mode == "wrap" else ctx.shard(small())
         filled(model, 1)
         ctx.save_checkpoint(folder, model=model, step=1, keep=1)
         read: list[str] = []
@@ -187,3 +192,59 @@ def test_a_named_checkpoint_removed_while_it_is_read_is_said_so(tmp_path: Path) 
         read_newest(named, pruned)
     assert str(named) in str(raised.value)
     assert "Pass the directory" in str(raised.value)
+
+
+def overtaking_reader(
+    folder: Path, times: int
+) -> tuple[Callable[[Path], dict[str, torch.Tensor]], list[str]]:
+    """A read that a save with ``keep=1`` overtakes ``times`` times, then one that is left alone."""
+    from ddpctx import distributed
+    from ddpctx.checkpoint.weights import weights_of
+
+    read: list[str] = []
+    with distributed(seed=0) as ctx:
+        model = ctx.wrap(small())
+        filled(model, 1)
+        ctx.save_checkpoint(folder, model=model, step=1, keep=1)
+
+    def overtaken(chosen: Path) -> dict[str, torch.Tensor]:
+        read.append(chosen.name)
+        if len(read) <= times:
+            with distributed(seed=0) as ctx:
+                again = ctx.wrap(small())
+                filled(again, len(read) + 1)
+                ctx.save_checkpoint(folder, model=again, step=len(read) + 1, keep=1)
+        return weights_of(chosen)[0]
+
+    return overtaken, read
+
+
+def test_a_read_overtaken_more_often_than_its_attempts_goes_on_within_its_patience(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A machine busy for a while slows every read past one save (CI: 3 of 240 reads failed
+    # after 8 tries): within PATIENCE_S the read starts over however often it is overtaken.
+    from ddpctx.checkpoint import weights
+    from ddpctx.checkpoint.weights import read_newest
+
+    monkeypatch.setattr(weights, "NEXT_SAVE_S", 0.01)  # this writer saves only when read
+    overtaken, read = overtaking_reader(tmp_path, weights.ATTEMPTS + 4)
+    found = read_newest(tmp_path, overtaken)
+    assert found is not None
+    assert len(read) == weights.ATTEMPTS + 5
+    assert one_step(found[1]) == weights.ATTEMPTS + 5
+
+
+def test_a_read_overtaken_past_its_patience_says_why_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddpctx.checkpoint import weights
+    from ddpctx.checkpoint.weights import read_newest
+
+    monkeypatch.setattr(weights, "NEXT_SAVE_S", 0.01)
+    monkeypatch.setattr(weights, "PATIENCE_S", 0.0)  # no patience past the attempts
+    overtaken, read = overtaking_reader(tmp_path, 100)
+    with pytest.raises(RuntimeError, match="changed under each of 8 reads") as raised:
+        read_newest(tmp_path, overtaken)
+    assert len(read) == weights.ATTEMPTS
+    assert "larger keep=" in str(raised.value)

@@ -30,10 +30,12 @@ removes its older checkpoints while a reader may be reading one. A read of a
 directory whose failure or "skipping" warnings coincide with the directory's
 checkpoints changing (one published, one removed) was overtaken by the
 writer: its warnings are dropped (the checkpoint was removed, not damaged)
-and the read starts over on the newest checkpoint, at most
-:data:`ATTEMPTS` times. A read the directory did not change under is
-reported as before. A checkpoint named directly that is removed while it is
-read is a ``FileNotFoundError`` naming it. Only ddpctx's errors escape: a
+and the read starts over on the newest checkpoint as soon as the writer
+publishes its next one, for :data:`PATIENCE_S` seconds and at least
+:data:`ATTEMPTS` times (a busy machine slows a read past one save, not past
+many). A read the directory did not change under is reported as before. A
+checkpoint named directly that is removed while it is read is a
+``FileNotFoundError`` naming it. Only ddpctx's errors escape: a
 failure inside DCP's reader is a ``RuntimeError`` naming the checkpoint.
 
 Example:
@@ -79,8 +81,9 @@ __all__ = ["checkpoint_meta", "chosen_checkpoint", "load_weights", "read_newest"
 Weights = dict[str, torch.Tensor]
 T = TypeVar("T")
 
-#: How many times a read of a directory that a running job changed under it starts over.
-ATTEMPTS = 8
+#: A read a running job's saves overtook starts over at least ATTEMPTS times and for PATIENCE_S
+#: seconds, each time after the writer's next save (waited for at most NEXT_SAVE_S seconds).
+ATTEMPTS, PATIENCE_S, NEXT_SAVE_S = 8, 30.0, 0.5
 
 
 def chosen_checkpoint(directory: Path) -> Path | None:
@@ -333,7 +336,10 @@ def read_newest(path: str | os.PathLike[str], read: Callable[[Path], T]) -> tupl
     """
     where = Path(path)
     directory = where.parent if one_checkpoint(where) else where
-    for attempt in range(ATTEMPTS):
+    deadline = time.monotonic() + PATIENCE_S
+    attempt = 0
+    while attempt < ATTEMPTS or time.monotonic() < deadline:
+        attempt += 1
         before, existed = listing(directory), where.exists()
         failure: Exception | None = None
         result: tuple[Path, T] | None = None
@@ -348,7 +354,7 @@ def read_newest(path: str | os.PathLike[str], read: Callable[[Path], T]) -> tupl
                 failure = error
         moved = (failure is not None or bool(caught)) and listing(directory) != before
         if moved and directory is where:
-            time.sleep(0.01 * (attempt + 1))  # let the writer's pruning finish
+            _next_save(directory)
             continue  # overtaken by the writer: the newest checkpoint, again
         if failure is not None and directory is not where and existed:
             if moved:
@@ -365,11 +371,25 @@ def read_newest(path: str | os.PathLike[str], read: Callable[[Path], T]) -> tupl
             raise failure
         return result
     raise RuntimeError(
-        f"{str(directory)!r} changed under each of {ATTEMPTS} reads of its newest checkpoint: "
-        "the job writing it saves, and prunes (keep=), faster than one checkpoint is read. "
+        f"{str(directory)!r} changed under each of {attempt} reads of its newest checkpoint "
+        f"in {PATIENCE_S:g} s: the job writing it saves, and prunes (keep=), faster than one "
+        "checkpoint is read. "
         "Read it again, save with a larger keep= (each checkpoint then outlives a read), or "
         "copy a checkpoint out of the directory and read the copy."
     )
+
+
+def _next_save(directory: Path) -> None:
+    """Wait (at most :data:`NEXT_SAVE_S`) for the writer's next checkpoint and its pruning.
+
+    A read started just after a save has the whole time until the next one, when
+    ``keep=`` prunes it; one started at once may have only the end of that time.
+    """
+    now = listing(directory)
+    give_up = time.monotonic() + NEXT_SAVE_S
+    while listing(directory) == now and time.monotonic() < give_up:
+        time.sleep(0.005)
+    time.sleep(0.01)  # its pruning, right after it is published
 
 
 def _no_optimizer(checkpoint: Path) -> ValueError:
