@@ -13,8 +13,6 @@ from __future__ import annotations
 import http.client
 import http.server
 import re
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -29,42 +27,14 @@ import torch
 from ddpctx import distributed
 from ddpctx.watch.servers import TRACKER_WAIT_S
 from ddpctx.watch.trackers import MLflowLogger, read_record, record_path
-from tests.helpers import child_env, patience
-from tests.test_trackers import QUIET, answers, free_port, quiet, stop_group
+from tests.helpers import patience
+from tests.test_trackers import free_port, quiet
+from tests.test_trackers import serving_mlflow as mlflow_server
 
 __all__ = ["quiet"]  # the autouse fixture: no network, no telemetry
 
 #: A save_checkpoint may wait this long for a tracker (the bound, with 3x slack for CI).
 SAVE_BOUND_S = 3 * TRACKER_WAIT_S + 2
-
-
-@contextmanager
-def mlflow_server(folder: Path, port: int) -> Iterator[str]:
-    """``mlflow server`` on ``127.0.0.1:port`` over ``folder``'s SQLite store; always stopped."""
-    uri = f"http://127.0.0.1:{port}"
-    command = [
-        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
-        *("--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"),
-        *("--default-artifact-root", str(folder / "artifacts"), "--workers", "1"),
-    ]
-    with open(folder / "server.log", "a") as log:
-        server = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env(**QUIET),
-            cwd=folder,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + patience(240)
-        while not answers(uri + "/health"):
-            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server did not answer in time"
-            time.sleep(0.5)
-        yield uri
-    finally:
-        stop_group(server)
 
 
 def wait_until(done: Any, what: str) -> None:
@@ -269,6 +239,27 @@ def slow_proxy(
         thread.join(10)
 
 
+@contextmanager
+def behind_a_slow_proxy(
+    tmp_path: Path, experiment: str, **slow: Any
+) -> Iterator[tuple[str, MLflowLogger, list[warnings.WarningMessage]]]:
+    """A real MLflow server behind :func:`slow_proxy`: (the server's URI, a logger writing to
+    ``tmp_path/log`` through the proxy, the warnings caught until the block ends)."""
+    folder = tmp_path / "server"
+    folder.mkdir()
+    with (
+        mlflow_server(folder, free_port()) as upstream,
+        slow_proxy(upstream, lifetime=patience(300), **slow) as uri,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        yield (
+            upstream,
+            MLflowLogger(tmp_path / "log", tracking_uri=uri, experiment=experiment),
+            caught,
+        )
+
+
 def train(log_dir: Path, checkpoints: Path, loggers: tuple[Any, ...]) -> tuple[float, list[float]]:
     """30 steps, a checkpoint every 10: (seconds for the whole block, seconds per save)."""
     model = torch.nn.Linear(8, 1)
@@ -304,18 +295,10 @@ def test_a_slow_mlflow_server_costs_the_loop_at_most_its_documented_bound(
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    folder = tmp_path / "server"
-    folder.mkdir()
     log_dir = tmp_path / "log"
-    with mlflow_server(folder, free_port()) as upstream:
-        plain, _ = train(tmp_path / "plain", tmp_path / "plain-checkpoints", ("jsonl",))
-        with (
-            slow_proxy(upstream, delay=2.0, lifetime=patience(300)) as uri,
-            warnings.catch_warnings(record=True) as caught,
-        ):
-            warnings.simplefilter("always")
-            logger = MLflowLogger(log_dir, tracking_uri=uri, experiment="slow")
-            tracked, saves = train(log_dir, tmp_path / "checkpoints", ("jsonl", logger))
+    plain, _ = train(tmp_path / "plain", tmp_path / "plain-checkpoints", ("jsonl",))
+    with behind_a_slow_proxy(tmp_path, "slow", delay=2.0) as (upstream, logger, caught):
+        tracked, saves = train(log_dir, tmp_path / "checkpoints", ("jsonl", logger))
         record = read_record(record_path(log_dir, "mlflow"))
         client = MlflowClient(upstream)
         run = None if record is None else client.get_run(record["run_id"])
@@ -420,18 +403,14 @@ def test_points_sent_without_an_answer_in_time_are_counted_apart_as_maybe_held(
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    folder = tmp_path / "server"
-    folder.mkdir()
     log_dir = tmp_path / "log"
-    with mlflow_server(folder, free_port()) as upstream:
-        with (
-            slow_proxy(upstream, delay=7.0, lifetime=patience(300), only="log-batch") as uri,
-            warnings.catch_warnings(record=True) as caught,
-        ):
-            warnings.simplefilter("always")
-            logger = MLflowLogger(log_dir, tracking_uri=uri, experiment="unanswered")
-            train(log_dir, tmp_path / "checkpoints", ("jsonl", logger))
-            time.sleep(8)  # the relayed requests land upstream
+    with behind_a_slow_proxy(tmp_path, "unanswered", delay=7.0, only="log-batch") as (
+        upstream,
+        logger,
+        caught,
+    ):
+        train(log_dir, tmp_path / "checkpoints", ("jsonl", logger))
+        time.sleep(8)  # the relayed requests land upstream
         record = read_record(record_path(log_dir, "mlflow"))
         assert record is not None
         held = MlflowClient(upstream).get_metric_history(record["run_id"], "loss")

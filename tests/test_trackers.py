@@ -30,6 +30,7 @@ import time
 import urllib.request
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +84,19 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real MLflow tracking server on a loopback port; its URI. Always stopped."""
-    pytest.importorskip("mlflow")
-    folder = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
+@contextmanager
+def serving_mlflow(folder: Path, port: int) -> Iterator[str]:
+    """``mlflow server`` on ``127.0.0.1:port`` over ``folder``'s SQLite store; always stopped.
+
+    ``folder`` may be served again (a restarted server keeps its runs); its log is appended to.
+    """
     uri = f"http://127.0.0.1:{port}"
     command = [
         *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
         *("--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"),
         *("--default-artifact-root", str(folder / "artifacts"), "--workers", "1"),
     ]
-    with open(folder / "server.log", "w") as log:
+    with open(folder / "server.log", "a") as log:
         server = subprocess.Popen(
             command,
             stdout=log,
@@ -113,6 +114,14 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield uri
     finally:
         stop_group(server)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server on a loopback port; its URI. Always stopped."""
+    pytest.importorskip("mlflow")
+    with serving_mlflow(tmp_path_factory.mktemp("mlflow"), free_port()) as uri:
+        yield uri
 
 
 def answers(url: str) -> bool:

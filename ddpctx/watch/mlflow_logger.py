@@ -43,7 +43,6 @@ from typing import Any
 from ddpctx.utils.warn import warn_user
 from ddpctx.watch.mlflow_rest import is_outage, metric_json, post
 from ddpctx.watch.runrecord import (
-    TRACKER_PATIENCE_S,
     flat_params,
     missing_record,
     read_record,
@@ -54,10 +53,9 @@ from ddpctx.watch.runrecord import (
 from ddpctx.watch.servers import (
     BACKLOG,
     REQUEST_S,
-    TRACKER_WAIT_S,
+    RemoteTracker,
     Server,
     is_http,
-    tracker_wait_s,
     unreachable,
 )
 
@@ -71,7 +69,7 @@ def _same(first: float, second: float) -> bool:
     return first == second or (math.isnan(first) and math.isnan(second))
 
 
-class MLflowLogger:
+class MLflowLogger(RemoteTracker):
     """``ctx.log``'s points as metrics of one MLflow run (``pip install ddpctx[mlflow]``).
 
     ``tracking_uri`` defaults to MLflow's own choice (``MLFLOW_TRACKING_URI``),
@@ -88,13 +86,6 @@ class MLflowLogger:
     (:mod:`ddpctx.watch.servers`). :attr:`unsent` counts what it lacks.
     """
 
-    #: How long one call may take before the trail counts this logger as stuck and stops
-    #: waiting for it: its first call imports the package and talks to the server.
-    stuck_after_s = TRACKER_PATIENCE_S
-    #: The most a checkpoint waits for this logger (the end of the block: three times this);
-    #: ``DDPCTX_TRACKER_WAIT`` sets it when the logger is made.
-    wait_s = TRACKER_WAIT_S
-
     def __init__(
         self,
         log_dir: str | os.PathLike[str],
@@ -106,7 +97,7 @@ class MLflowLogger:
         send_every_s: float = 1.0,
     ) -> None:
         require("mlflow", "mlflow")
-        self.wait_s = tracker_wait_s()
+        super().__init__()
         if not isinstance(send_every_s, (int, float)) or send_every_s < 0:
             raise ValueError(
                 f"MLflowLogger(send_every_s={send_every_s!r}): pass seconds >= 0 "

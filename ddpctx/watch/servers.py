@@ -37,6 +37,7 @@ import urllib.error
 import urllib.request
 
 from ddpctx.utils.warn import warn_user
+from ddpctx.watch.runrecord import TRACKER_PATIENCE_S
 
 #: The most a checkpoint waits for a tracker (the end of the block: three times this).
 TRACKER_WAIT_S = 5.0
@@ -70,6 +71,19 @@ def tracker_wait_s() -> float:
             f"it for the default {TRACKER_WAIT_S:g} s."
         )
     return seconds
+
+
+class RemoteTracker:
+    """What the MLflow and W&B loggers share: how long the trail waits for one of them."""
+
+    #: How long one call may take before the trail counts this logger as stuck and stops
+    #: waiting for it: its first call imports the package and talks to the server.
+    stuck_after_s = TRACKER_PATIENCE_S
+    #: The most a checkpoint waits for this logger (the end of the block: three times this).
+    wait_s = TRACKER_WAIT_S
+
+    def __init__(self) -> None:
+        self.wait_s = tracker_wait_s()  # DDPCTX_TRACKER_WAIT, read when the logger is made
 
 
 #: How often a server that does not answer is probed again.

@@ -59,7 +59,7 @@ from ddpctx.watch.runrecord import (
     require,
     write_record,
 )
-from ddpctx.watch.servers import TRACKER_WAIT_S, tracker_wait_s
+from ddpctx.watch.servers import RemoteTracker
 
 __all__ = [
     "MLFLOW_BATCH",
@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 
-class WandbLogger:
+class WandbLogger(RemoteTracker):
     """``ctx.log``'s points as the history of one W&B run (``pip install ddpctx[wandb]``).
 
     ``project``, ``entity``, ``name`` and ``mode`` go to ``wandb.init`` (None:
@@ -93,13 +93,6 @@ class WandbLogger:
     logger with a warning that names the error (the other loggers go on).
     """
 
-    #: How long one call may take before the trail counts this logger as stuck and stops
-    #: waiting for it: its first call imports the package and talks to the server.
-    stuck_after_s = TRACKER_PATIENCE_S
-    #: The most a checkpoint waits for this logger (the end of the block: three times this);
-    #: ``DDPCTX_TRACKER_WAIT`` sets it when the logger is made.
-    wait_s = TRACKER_WAIT_S
-
     def __init__(
         self,
         log_dir: str | os.PathLike[str],
@@ -112,7 +105,7 @@ class WandbLogger:
         **init: Any,
     ) -> None:
         require("wandb", "wandb")
-        self.wait_s = tracker_wait_s()
+        super().__init__()
         taken = {"id", "resume", "resume_from", "fork_from", "reinit", "config"} & set(init)
         if taken:
             raise ValueError(
