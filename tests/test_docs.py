@@ -69,6 +69,33 @@ def is_a_test_file(code: str) -> bool:
     return "@pytest.mark.distributed" in code
 
 
+#: How an example shows that it runs against a package of the integrations extra.
+INTEGRATIONS = {
+    "mlflow": re.compile(r"mlflow", re.IGNORECASE),  # MLflowLogger too
+    "wandb": re.compile(r"wandb", re.IGNORECASE),  # WandbLogger too
+    "tensorboard": re.compile(r"tensorboard", re.IGNORECASE),
+    "ray": re.compile(r"^\s*(?:import|from) ray\b", re.MULTILINE),
+    "datasets": re.compile(r"^\s*(?:import|from) datasets\b", re.MULTILINE),
+}
+
+
+def integrations_in(code: str) -> list[str]:
+    """The packages of the integrations extra that an example runs against."""
+    return [package for package, named in INTEGRATIONS.items() if named.search(code)]
+
+
+def examples_where(chosen: Callable[[str, str], bool]) -> list[Any]:
+    """The examples ``chosen(where, code)`` picks, as parameters: one that runs against a
+    package of the integrations extra is marked ``@pytest.mark.integration`` for it."""
+    picked: list[Any] = []
+    for where, code in BLOCKS:
+        if chosen(where, code):
+            needed = integrations_in(code)
+            marks = [pytest.mark.integration(*needed)] if needed else []
+            picked.append(pytest.param(where, marks=marks))
+    return picked
+
+
 def test_the_documents_have_examples() -> None:
     assert len(BLOCKS) >= 7
     assert any(where.startswith("README") for where, _ in BLOCKS)
@@ -279,11 +306,9 @@ def test_the_examples_run_elsewhere_are_still_on_their_pages() -> None:
 
 @pytest.mark.parametrize(
     "where",
-    [
-        where
-        for where, code in BLOCKS
-        if not is_a_test_file(code) and where not in RUN_BY_THEIR_OWN_TESTS
-    ],
+    examples_where(
+        lambda where, code: not is_a_test_file(code) and where not in RUN_BY_THEIR_OWN_TESTS
+    ),
 )
 @pytest.mark.slow
 def test_example_runs(where: str, examples: Callable[[str], Any]) -> None:
@@ -297,7 +322,7 @@ def test_example_runs(where: str, examples: Callable[[str], Any]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", [where for where, code in BLOCKS if is_a_test_file(code)])
+@pytest.mark.parametrize("where", examples_where(lambda where, code: is_a_test_file(code)))
 def test_example_test_files_pass_under_pytest(where: str, tmp_path: Path) -> None:
     (tmp_path / "example.py").write_text(dict(BLOCKS)[where])
     result = subprocess.run(

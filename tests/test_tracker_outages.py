@@ -50,10 +50,10 @@ def said(caught: list[warnings.WarningMessage], pattern: str) -> list[str]:
 
 
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=240)
+@pytest.mark.integration("mlflow")
 def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoint(
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("mlflow")
     uri = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     model = torch.nn.Linear(2, 1)
     saves = []
@@ -89,10 +89,10 @@ def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoin
 @pytest.mark.slow
 @pytest.mark.parametrize("back_before_the_end", [True, False])
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+@pytest.mark.integration("mlflow")
 def test_an_mlflow_server_killed_mid_run_costs_no_step_and_its_losses_are_counted_exactly(
     tmp_path: Path, back_before_the_end: bool
 ) -> None:
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     folder, port = tmp_path / "server", free_port()
@@ -289,10 +289,10 @@ SLOW_LOOP_EXTRA_S = 3 * TRACKER_WAIT_S + 3 * TRACKER_WAIT_S
 
 @pytest.mark.slow
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+@pytest.mark.integration("mlflow")
 def test_a_slow_mlflow_server_costs_the_loop_at_most_its_documented_bound(
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     log_dir = tmp_path / "log"
@@ -394,13 +394,13 @@ def test_trackers_that_hold_up_a_checkpoint_share_one_bound_and_a_full_queue_is_
 
 @pytest.mark.slow
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+@pytest.mark.integration("mlflow")
 def test_points_sent_without_an_answer_in_time_are_counted_apart_as_maybe_held(
     tmp_path: Path,
 ) -> None:
     # Every log-batch reaches the server 7 s after it was sent, past the 5 s a request waits:
     # the server stores points the logger never heard back about. Before, the warning counted
     # them as never written, while the server held them.
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     log_dir = tmp_path / "log"
@@ -424,10 +424,10 @@ def test_points_sent_without_an_answer_in_time_are_counted_apart_as_maybe_held(
     assert missing - maybe <= lacking <= missing, (message, sorted(p.step for p in held))
 
 
+@pytest.mark.integration("mlflow")
 def test_a_tracker_wait_other_than_the_default_is_read_and_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("mlflow")
     monkeypatch.setenv("DDPCTX_TRACKER_WAIT", "30")
     assert MLflowLogger(tmp_path, tracking_uri="sqlite:///x.db").wait_s == 30.0
     for bad in ("soon", "0", "-5", "inf"):
