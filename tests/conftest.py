@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 
 import ddpctx
+from tests.helpers import require_integration
 
 pytest_plugins = ["pytester"]
 
@@ -30,6 +31,13 @@ LAUNCHER_NAMES = (
     "DDPCTX_LAUNCHER",
     "DDPCTX_LAUNCHER_PID",
 )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.integration("mlflow", ...)``: skip (or fail, in CI) before any fixture."""
+    for mark in item.iter_markers("integration"):
+        require_integration(*mark.args)
 
 
 @pytest.fixture(autouse=True)

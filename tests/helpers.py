@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -16,6 +17,34 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: The most a bound is stretched on a loaded machine (see :func:`patience`).
 MAX_STRETCH = 6.0
+
+#: What brings the packages the integration tests run against (see :func:`require_integration`).
+INTEGRATIONS_INSTALL = 'pip install -e ".[test,integrations]"'
+
+
+def require_integration(*packages: str) -> None:
+    """Skip the test, naming the extra to install, unless every one of ``packages`` is there.
+
+    TensorBoard, MLflow, W&B, Ray and Hugging Face ``datasets`` are the
+    ``integrations`` extra, not the ``test`` one, so that a first install stays
+    quick. With ``DDPCTX_REQUIRE_INTEGRATIONS=1`` (CI sets it) a missing package
+    fails the test instead: there the integration tests never pass by skipping.
+    Nothing is imported (``import mlflow`` alone takes seconds). A whole test says
+    it with ``@pytest.mark.integration("mlflow")``, which tests/conftest.py checks
+    before the test's fixtures are set up.
+    """
+    import pytest
+
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    reason = (
+        f"needs {', '.join(missing)}, not installed: the integration tests run with "
+        f"{INTEGRATIONS_INSTALL}"
+    )
+    if os.environ.get("DDPCTX_REQUIRE_INTEGRATIONS", "") not in ("", "0"):
+        pytest.fail(f"{reason} (DDPCTX_REQUIRE_INTEGRATIONS is set: they may not be skipped)")
+    pytest.skip(reason)
 
 
 def patience(seconds: float) -> float:

@@ -69,6 +69,33 @@ def is_a_test_file(code: str) -> bool:
     return "@pytest.mark.distributed" in code
 
 
+#: How an example shows that it runs against a package of the integrations extra.
+INTEGRATIONS = {
+    "mlflow": re.compile(r"mlflow", re.IGNORECASE),  # MLflowLogger too
+    "wandb": re.compile(r"wandb", re.IGNORECASE),  # WandbLogger too
+    "tensorboard": re.compile(r"tensorboard", re.IGNORECASE),
+    "ray": re.compile(r"^\s*(?:import|from) ray\b", re.MULTILINE),
+    "datasets": re.compile(r"^\s*(?:import|from) datasets\b", re.MULTILINE),
+}
+
+
+def integrations_in(code: str) -> list[str]:
+    """The packages of the integrations extra that an example runs against."""
+    return [package for package, named in INTEGRATIONS.items() if named.search(code)]
+
+
+def examples_where(chosen: Callable[[str, str], bool]) -> list[Any]:
+    """The examples ``chosen(where, code)`` picks, as parameters: one that runs against a
+    package of the integrations extra is marked ``@pytest.mark.integration`` for it."""
+    picked: list[Any] = []
+    for where, code in BLOCKS:
+        if chosen(where, code):
+            needed = integrations_in(code)
+            marks = [pytest.mark.integration(*needed)] if needed else []
+            picked.append(pytest.param(where, marks=marks))
+    return picked
+
+
 def test_the_documents_have_examples() -> None:
     assert len(BLOCKS) >= 7
     assert any(where.startswith("README") for where, _ in BLOCKS)
@@ -225,7 +252,7 @@ def test_the_readme_says_how_long_the_tests_take_and_offers_the_quick_tier_first
 def test_the_readme_says_which_tests_need_the_docs_extra_and_how_to_run_all() -> None:
     readme = (REPO / "README.md").read_text()
     assert "Without the `docs` extra" in readme
-    assert 'python -m pip install -e ".[test,docs]" && python -m pytest' in readme
+    assert 'python -m pip install -e ".[test,integrations,docs]" && python -m pytest' in readme
 
 
 def run_example(source: str, folder: Path) -> subprocess.CompletedProcess[str]:
@@ -279,11 +306,9 @@ def test_the_examples_run_elsewhere_are_still_on_their_pages() -> None:
 
 @pytest.mark.parametrize(
     "where",
-    [
-        where
-        for where, code in BLOCKS
-        if not is_a_test_file(code) and where not in RUN_BY_THEIR_OWN_TESTS
-    ],
+    examples_where(
+        lambda where, code: not is_a_test_file(code) and where not in RUN_BY_THEIR_OWN_TESTS
+    ),
 )
 @pytest.mark.slow
 def test_example_runs(where: str, examples: Callable[[str], Any]) -> None:
@@ -297,7 +322,7 @@ def test_example_runs(where: str, examples: Callable[[str], Any]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", [where for where, code in BLOCKS if is_a_test_file(code)])
+@pytest.mark.parametrize("where", examples_where(lambda where, code: is_a_test_file(code)))
 def test_example_test_files_pass_under_pytest(where: str, tmp_path: Path) -> None:
     (tmp_path / "example.py").write_text(dict(BLOCKS)[where])
     result = subprocess.run(
@@ -425,8 +450,24 @@ def test_install_commands_work_from_a_checkout(document: Path) -> None:
     assert from_an_index == [], f"{name_of(document)}: {from_an_index}"
 
 
+def packages_of(extra: str) -> set[str]:
+    """The package names an extra of setup.cfg installs, without versions or extras."""
+    return {re.split(r"[<>=\[ ]", r)[0].lower() for r in extras()[extra]}
+
+
+def test_the_test_extra_is_quick_and_the_integrations_have_their_own() -> None:
+    # A newcomer's `pip install -e ".[test]"` took 6 min 11 s when it also pulled Ray
+    # (79 MB), pyarrow (55 MB), MLflow, W&B and datasets: those are the integrations extra.
+    integrations = packages_of("integrations")
+    assert not integrations & packages_of("test"), integrations & packages_of("test")
+    for tracker in ("stream", "tensorboard", "mlflow", "wandb", "ray"):
+        assert packages_of(tracker) <= integrations, tracker
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert 'python -m pip install -e ".[test,integrations]"' in readme
+
+
 def test_the_notebooks_extra_can_open_and_execute_the_notebooks() -> None:
-    names = {re.split(r"[<>=\[ ]", r)[0].lower() for r in extras()["notebooks"]}
+    names = packages_of("notebooks")
     assert {"jupyterlab", "nbconvert", "ipykernel", "matplotlib"} <= names, names
     # the test suite re-runs them with nbclient and needs no JupyterLab
     assert "jupyterlab" not in " ".join(extras()["test"])

@@ -327,6 +327,7 @@ def accumulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shapes", REAL_SHAPES)
+@pytest.mark.integration("tensorboard")  # its logging shapes write and read event files
 def test_a_real_scripts_loop_killed_and_resumed_ends_as_it_would_have_and_logs_once(
     matrix: dict[int, Path], request: pytest.FixtureRequest, tmp_path: Path, shapes: str
 ) -> None:

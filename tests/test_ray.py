@@ -4,13 +4,12 @@ The slow tests start one local Ray cluster for the module (``ray.init`` on
 loopback, two CPU workers, no dashboard, no usage statistics) in a child
 process (tests/scripts/ray_train_job.py) and compare what each worker saw
 with what the same function saw under torchrun. Skipped, saying so, where
-Ray is not installed (``pip install ddpctx[ray]``; the test extra has it).
+Ray is not installed (the ``integrations`` extra has it; ``ray`` alone too).
 The quick tests check the detection with a fake ``ray.train``: no Ray needed.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -38,13 +37,10 @@ from ddpctx.utils.raytrain import (
 from tests.helpers import REPO, child_env, patience, run_torchrun
 
 SCRIPT = REPO / "tests" / "scripts" / "ray_train_job.py"
-HAS_RAY = importlib.util.find_spec("ray") is not None
 #: The killed-worker run doubles the module's time (a second worker group starts):
 #: DDPCTX_RAY_KILL=1 adds it. Measured: the run fails naming rank 1, no process left.
 WITH_KILL = os.environ.get("DDPCTX_RAY_KILL") == "1"
-needs_ray = pytest.mark.skipif(
-    not HAS_RAY, reason="Ray is not installed: pip install 'ddpctx[ray]' (ray[train])"
-)
+needs_ray = pytest.mark.integration("ray")
 
 
 # -- quick: the detection, with a fake ray.train -------------------------------------------

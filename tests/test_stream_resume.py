@@ -228,10 +228,10 @@ def hugging_face_run(files: list[str], folder: str, stop_at: int | None) -> list
 
 
 @pytest.mark.slow
+@pytest.mark.integration("datasets")
 def test_a_hugging_face_streaming_dataset_is_split_by_node_and_resumed_exactly(
     run_distributed: Any, tmp_path: Path
 ) -> None:
-    pytest.importorskip("datasets")
     files = []
     for shard in range(4):  # four files: each rank gets two, each worker one
         path = tmp_path / f"part{shard}.jsonl"

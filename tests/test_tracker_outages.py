@@ -45,10 +45,10 @@ def said(caught: list[warnings.WarningMessage], pattern: str) -> list[str]:
 
 
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=240)
+@pytest.mark.integration("mlflow")
 def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoint(
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("mlflow")
     uri = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     model = torch.nn.Linear(2, 1)
     saves = []
@@ -84,10 +84,10 @@ def test_an_unreachable_mlflow_server_is_said_at_start_and_holds_up_no_checkpoin
 @pytest.mark.slow
 @pytest.mark.parametrize("back_before_the_end", [True, False])
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+@pytest.mark.integration("mlflow")
 def test_an_mlflow_server_killed_mid_run_costs_no_step_and_its_losses_are_counted_exactly(
     tmp_path: Path, back_before_the_end: bool
 ) -> None:
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     folder, port = tmp_path / "server", free_port()
@@ -222,10 +222,10 @@ def test_trackers_that_hold_up_a_checkpoint_share_one_bound_and_a_full_queue_is_
         assert f"{calls} of its {calls} points" in message, message
 
 
+@pytest.mark.integration("mlflow")
 def test_a_tracker_wait_other_than_the_default_is_read_and_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("mlflow")
     monkeypatch.setenv("DDPCTX_TRACKER_WAIT", "30")
     assert MLflowLogger(tmp_path, tracking_uri="sqlite:///x.db").wait_s == 30.0
     for bad in ("soon", "0", "-5", "inf"):

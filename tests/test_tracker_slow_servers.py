@@ -162,10 +162,10 @@ SLOW_LOOP_EXTRA_S = 3 * TRACKER_WAIT_S + 3 * TRACKER_WAIT_S
 
 @pytest.mark.slow
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+@pytest.mark.integration("mlflow")
 def test_a_slow_mlflow_server_costs_the_loop_at_most_its_documented_bound(
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     log_dir = tmp_path / "log"
@@ -202,13 +202,13 @@ def test_a_slow_mlflow_server_costs_the_loop_at_most_its_documented_bound(
 
 @pytest.mark.slow
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=600)
+@pytest.mark.integration("mlflow")
 def test_points_sent_without_an_answer_in_time_are_counted_apart_as_maybe_held(
     tmp_path: Path,
 ) -> None:
     # Every log-batch reaches the server 7 s after it was sent, past the 5 s a request waits:
     # the server stores points the logger never heard back about. Before, the warning counted
     # them as never written, while the server held them.
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     log_dir = tmp_path / "log"

@@ -17,7 +17,6 @@ SIGKILLed five steps after the checkpoint at step 19, and the restart logs on.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -48,7 +47,7 @@ from ddpctx.watch.trackers import (
     read_record,
     record_path,
 )
-from tests.helpers import REPO, child_env, patience, torchrun_command
+from tests.helpers import REPO, child_env, patience, require_integration, torchrun_command
 
 #: No network: offline W&B, no telemetry, and a dead proxy for any host but this one.
 QUIET = {
@@ -119,7 +118,7 @@ def serving_mlflow(folder: Path, port: int) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real MLflow tracking server on a loopback port; its URI. Always stopped."""
-    pytest.importorskip("mlflow")
+    require_integration("mlflow")
     with serving_mlflow(tmp_path_factory.mktemp("mlflow"), free_port()) as uri:
         yield uri
 
@@ -179,6 +178,7 @@ def kill_and_restart(tmp_path: Path, loggers: str, **env: str) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.integration("mlflow")
 def test_mlflow_keeps_one_run_with_every_step_once_after_a_sigkill_and_a_restart(
     tmp_path: Path, mlflow_server: str
 ) -> None:
@@ -204,6 +204,7 @@ def test_mlflow_keeps_one_run_with_every_step_once_after_a_sigkill_and_a_restart
 
 @pytest.mark.slow
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=240)
+@pytest.mark.integration("mlflow")
 def test_mlflow_resumed_blocks_skip_what_the_killed_attempt_sent_and_warn_about_other_values(
     tmp_path: Path, mlflow_server: str
 ) -> None:
@@ -258,6 +259,7 @@ def test_mlflow_resumed_blocks_skip_what_the_killed_attempt_sent_and_warn_about_
 
 
 @pytest.mark.slow
+@pytest.mark.integration("mlflow")
 def test_mlflow_without_its_run_record_starts_a_new_run_and_says_why(
     tmp_path: Path, mlflow_server: str
 ) -> None:
@@ -351,10 +353,10 @@ def as_wandb_shows(attempts: list[dict[str, Any]], metric: str) -> list[tuple[in
 
 
 @pytest.mark.slow
+@pytest.mark.integration("wandb")
 def test_wandb_keeps_one_run_rewound_to_the_checkpoint_after_a_sigkill_and_a_restart(
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("wandb")
     log_dir = kill_and_restart(tmp_path, "wandb")
     record = read_record(record_path(log_dir, "wandb"))
     assert record is not None
@@ -378,8 +380,8 @@ def test_wandb_keeps_one_run_rewound_to_the_checkpoint_after_a_sigkill_and_a_res
 # this pytest worker (launch(), in a doctest) hung with them (CI).
 @pytest.mark.slow
 @pytest.mark.distributed(world_size=1, init=False, isolated=True, timeout=240)
+@pytest.mark.integration("wandb")
 def test_wandb_resumed_blocks_continue_the_run_from_the_checkpoint(tmp_path: Path) -> None:
-    pytest.importorskip("wandb")
     model = torch.nn.Linear(2, 1)
     log_dir, checkpoints = tmp_path / "log", tmp_path / "checkpoints"
     with distributed(log_dir=log_dir, loggers=("wandb",)) as ctx:
@@ -406,9 +408,8 @@ def test_wandb_resumed_blocks_continue_the_run_from_the_checkpoint(tmp_path: Pat
     assert "lr" not in attempts[1]["config"]
 
 
+@pytest.mark.integration("wandb")
 def test_wandb_refuses_the_arguments_it_chooses_itself(tmp_path: Path) -> None:
-    if importlib.util.find_spec("wandb") is None:  # not imported: that takes seconds
-        pytest.skip("pip install -e '.[wandb]'")
     with pytest.raises(ValueError, match=r"id=\.\.\..*the logger chooses the run"):
         WandbLogger(tmp_path, id="abc")
 

@@ -115,10 +115,10 @@ def trail(folder: Path, store: dict[str, list[Any]]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kill_at", [5, 8])
 @pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.integration("tensorboard")
 def test_a_killed_and_resumed_run_leaves_the_trail_of_an_uninterrupted_one(
     tmp_path: Path, order: str, kill_at: int
 ) -> None:
-    pytest.importorskip("tensorboard")
     whole: dict[str, list[Any]] = {"points": [], "hparams": []}
     attempt(order, tmp_path / "whole", whole, None, {"lr": 0.1})
     resumed: dict[str, list[Any]] = {"points": [], "hparams": []}
@@ -131,10 +131,10 @@ def test_a_killed_and_resumed_run_leaves_the_trail_of_an_uninterrupted_one(
 
 
 @pytest.mark.parametrize("config_first", [True, False])
+@pytest.mark.integration("tensorboard")
 def test_the_config_is_recorded_once_by_the_fresh_run_never_by_a_resume(
     tmp_path: Path, config_first: bool
 ) -> None:
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     store: dict[str, list[Any]] = {"points": [], "hparams": []}
@@ -159,11 +159,12 @@ def test_the_config_is_recorded_once_by_the_fresh_run_never_by_a_resume(
 
 
 @pytest.mark.parametrize("saved_first", [True, False])
+@pytest.mark.integration("huggingface_hub")
 def test_the_config_and_a_model_saved_with_save_pretrained_share_a_log_dir(
     tmp_path: Path, saved_first: bool
 ) -> None:
     """``log_dir=output_dir`` (as Accelerate's ``project_dir``): both files survive, both load."""
-    hub = pytest.importorskip("huggingface_hub")
+    import huggingface_hub as hub
 
     class Net(nn.Module, hub.PyTorchModelHubMixin):  # type: ignore[misc]
         def __init__(self, width: int = 3) -> None:

@@ -371,8 +371,8 @@ def test_a_profile_of_chosen_steps_writes_one_trace_per_rank(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.integration("tensorboard")
 def test_every_step_is_logged_exactly_once_after_a_sigkill_and_a_restart(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_dir, steps = tmp_path / "log", 30
