@@ -181,7 +181,13 @@ class _Claims:
             self.add(numel * itemsize, f"a storage of {numel * itemsize} bytes")
         else:
             held = self.records.get(str(key))
-            if held is None or numel * itemsize > held:
+            if held is None:
+                record = f"data/{key}"
+                raise _Refused(
+                    f"a storage of {numel * itemsize} bytes whose record {record!r:.80} is not "
+                    "in the file (a torch file holds a record for each storage)"
+                )
+            if numel * itemsize > held:
                 raise _Refused(f"a storage of {numel * itemsize} bytes in a record of {held} bytes")
         return _Storage(numel, itemsize)
 
