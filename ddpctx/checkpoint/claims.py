@@ -476,7 +476,7 @@ def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorde
     Each entry must lie within its shard as the manifest records it; each tensor's
     elements times their size must fit in the entries that hold its chunks (what a
     reader allocates for it). Without a manifest, a shard shorter than its entries
-    is torn (``dcpread.short_shard``); the tensors are weighed all the same.
+    is torn (``listed.short_shard``); the tensors are weighed all the same.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -39,6 +39,7 @@ from ddpctx.checkpoint.files import (
     quietly,
     refuse_a_file,
 )
+from ddpctx.checkpoint.listed import short_shard
 from ddpctx.checkpoint.sums import (
     SHARDED_MANIFEST,
     Damaged,
@@ -104,7 +105,7 @@ def complete(path: Path) -> bool:
     file is verified against the manifest before anything in it is unpickled,
     and DCP's ``.metadata`` is unpickled restricted (a refused one is an error).
     """
-    from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+    from ddpctx.checkpoint.dcpread import read_metadata
 
     if lacks_files(path):
         return False
@@ -199,7 +200,7 @@ def _looks_whole(path: Path) -> bool:
         if sizes_differ(manifest, path, (STATE_FILE, METADATA_FILE)) is not None:
             return False
     else:
-        from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+        from ddpctx.checkpoint.dcpread import read_metadata
 
         try:
             if short_shard(path, read_metadata(path / METADATA_FILE, None)):

@@ -21,7 +21,8 @@
   parameters as in training.
 
 The choice is :func:`chosen_checkpoint`: ``load_checkpoint``'s for an unsharded
-model, from :mod:`ddpctx.checkpoint.files` and :mod:`ddpctx.checkpoint.shardfiles`.
+model, from :mod:`ddpctx.checkpoint.files` and :mod:`ddpctx.checkpoint.shardfiles`;
+whole when every file its manifest lists is here (:mod:`ddpctx.checkpoint.listed`).
 A checkpoint named directly is verified too; a damaged one is an error naming
 the damage (there is no older one to fall back to: you chose it).
 
