@@ -12,6 +12,7 @@ the plugin's ranks, under a timeout).
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -224,3 +225,48 @@ def test_a_flipped_byte_in_a_shard_no_rank_reads_makes_every_reader_use_the_olde
     said = every_reader(run_distributed, folder, "shard-tiny")
     assert_all_chose(said, 1)
     assert_each_warned(said, "__1_0.distcp", "damaged")
+
+
+# -- a FIFO named like a checkpoint's file
+
+
+def plant_a_fifo(folder: Path, where: str) -> tuple[str, int]:
+    """A FIFO in place of a checkpoint's file (see :data:`FIFOS`); its name, the step expected."""
+    if where == "new-pt":  # a number of its own, no manifest (made with mkfifo)
+        os.mkfifo(folder / "checkpoint-000003.pt")
+        return "checkpoint-000003.pt", 2
+    checkpoint = newest(folder)
+    target = {"newest-pt": checkpoint}.get(where) or checkpoint / where.removeprefix("dcp:")
+    target.unlink()
+    os.mkfifo(target)
+    return target.name, 1
+
+
+FIFOS = ["new-pt", "newest-pt", "dcp:ddpctx.pt", "dcp:.metadata", "dcp:__0_0.distcp"]
+
+
+@pytest.mark.parametrize("where", FIFOS)
+def test_a_fifo_named_like_a_checkpoint_file_is_said_as_one_and_never_waited_on(
+    two_saved: Any, run_distributed: Any, tmp_path: Path, where: str
+) -> None:
+    # Found by the outside attack: a FIFO checkpoint-000003.pt hung every reader opening it;
+    # with its manifest, it was "0 bytes" (torn). It is damage, as a FIFO manifest is.
+    how = "shard" if where.startswith("dcp:") else "wrap"
+    folder = two_saved(how, tmp_path / "run")
+    name, step = plant_a_fifo(folder, where)
+    said = every_reader(run_distributed, folder, how)
+    assert_all_chose(said, step)
+    assert_each_warned(said, name, "is a FIFO (a named pipe), not a regular file")
+    for reader, each in said.items():
+        assert not any("0 bytes" in text for _, texts in each for text in texts), (reader, each)
+
+
+def test_a_save_beside_a_fifo_named_like_a_checkpoint_does_not_wait_on_it(
+    two_saved: Any, run_distributed: Any, tmp_path: Path
+) -> None:
+    # Pruning asks whether older checkpoints load: the FIFO is one that does not.
+    folder = two_saved("wrap", tmp_path / "run")
+    plant_a_fifo(folder, "new-pt")
+    run_distributed(save_steps, str(folder), "wrap", [4], world_size=2, timeout=60)
+    said = every_reader(run_distributed, folder, "wrap")
+    assert_all_chose(said, 4)

@@ -19,6 +19,7 @@
 - :mod:`~ddpctx.checkpoint.shape`: what an unpickled value expands to, and how deep it nests.
 - :mod:`~ddpctx.checkpoint.sums`: checksums, recorded at save, verified by each rank as it reads.
 - :mod:`~ddpctx.checkpoint.listed`: every file a manifest lists must be there; who must hold it.
+- :mod:`~ddpctx.checkpoint.regular`: a checkpoint's files are regular files; a FIFO is never opened.
 - :mod:`~ddpctx.checkpoint.writerlock`: one writing job per checkpoint directory, enforced.
 - :mod:`~ddpctx.checkpoint.faces`: ``ctx.save``/``load``/``save_checkpoint``/``load_checkpoint``.
 - :mod:`~ddpctx.checkpoint.weights`: ``checkpoint_meta`` and ``load_weights``, in one plain process.

@@ -64,6 +64,7 @@ from ddpctx.checkpoint.claims import check_metadata_claims, check_pickle, refusa
 from ddpctx.checkpoint.entries import in_place_tensor, refused, weights_only_value
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.mapped import View, entry_bytes
+from ddpctx.checkpoint.regular import NotRegular, open_regular
 from ddpctx.checkpoint.shape import check_loaded
 from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
 from ddpctx.utils.digest import hasher
@@ -283,9 +284,11 @@ class Reader(FileSystemReader):
         if record and any((s.offset, s.length) not in parts for s in spans):
             self._verify_whole(path, record)  # a manifest without this file's parts
         try:
-            stream = open(path, "rb")  # noqa: SIM115 -- closed below, after every entry
+            stream = open_regular(path)  # a FIFO: said, never waited on; closed below
         except FileNotFoundError:
             raise Damaged(str(path), f"{path.name!r} is missing") from None
+        except NotRegular as error:
+            raise Damaged(str(path), str(error)) from None
         with stream:
             size = _size(stream)
             if record is not None and size != record.size:

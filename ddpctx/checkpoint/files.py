@@ -66,15 +66,18 @@ import torch
 from torch import nn
 
 from ddpctx.checkpoint.claims import check_torch_file, refusal
+from ddpctx.checkpoint.regular import NotRegular, open_regular
 from ddpctx.checkpoint.shape import check_loaded
-from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
 from ddpctx.checkpoint.sums import (
+    Damaged,
     Torn,
+    damaged_warning,
     found_damaged,
     intact,
     sidecar,
     sizes_differ,
 )
+from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
 from ddpctx.parallel.wrapping import unwrap_model
 from ddpctx.utils.atomic import atomic_save, remove_abandoned
 from ddpctx.utils.warn import warn_user
@@ -205,13 +208,14 @@ def read_state(
     small multiple of its size is allocated), and what it loaded before anything walks
     it (:mod:`ddpctx.checkpoint.shape`: its depth, and its size with shared parts expanded).
     :class:`~ddpctx.checkpoint.sums.Torn` when it does not read as a torch file (torn, or
-    missing); :class:`RefusedCheckpoint` when
+    missing); :class:`~ddpctx.checkpoint.sums.Damaged` when it is no regular file (a FIFO:
+    never opened, :mod:`ddpctx.checkpoint.regular`); :class:`RefusedCheckpoint` when
     ``weights_only`` refuses what it holds (pickled code: refused as unsafe), it claims
     more than it holds, it is not a ddpctx checkpoint, or it fails to read although
     ``verified`` (its checksum matched: it was written so, it is not torn).
     """
     try:
-        with open(path, "rb") as stream:
+        with open_regular(path) as stream:  # a FIFO: said, never waited on
             size = os.fstat(stream.fileno()).st_size
             check_torch_file(stream, size, path)
         try:
@@ -223,6 +227,8 @@ def read_state(
             state = torch.load(path, map_location=device, weights_only=True)
     except RefusedCheckpoint:
         raise
+    except NotRegular as error:
+        raise Damaged(str(path), str(error)) from None
     except Exception as error:
         if "Weights only load failed" in str(error):
             reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
@@ -253,7 +259,8 @@ def read_state(
 
 
 def probe(path: Path, verified: bool = False) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` (memory-mapped), None if torn; RefusedCheckpoint if refused.
+    """The checkpoint at ``path`` (memory-mapped), None if torn or damaged (warned);
+    RefusedCheckpoint if refused.
 
     ``verified``: its checksum just matched, so a failure to read it is a refusal.
     """
@@ -264,7 +271,9 @@ def probe(path: Path, verified: bool = False) -> dict[str, Any] | None:
             f"skipping {str(path)!r}: it is torn: {error.reason}; trying an older checkpoint.",
             RuntimeWarning,
         )
-        return None
+    except Damaged as error:  # no regular file (a FIFO)
+        warn_user(damaged_warning(path, error.reason, sidecar(path)), RuntimeWarning)
+    return None
 
 
 def newest_checkpoint(directory: Path) -> Path | None:

@@ -3,7 +3,8 @@
 A checkpoint's manifest (:mod:`ddpctx.checkpoint.sums`) lists its files: a
 ``.pt``'s lists the file; a sharded checkpoint's lists every shard, DCP's
 ``.metadata`` and ``ddpctx.pt``. A listed file that is gone (deleted, not
-copied) or there at another size makes the checkpoint *damaged*: every reader
+copied), there at another size, or no regular file (a FIFO,
+:mod:`ddpctx.checkpoint.regular`) makes the checkpoint *damaged*: every reader
 skips it, warning with the file's name, and reads the next older one. Who must
 hold the file differs, since ranks may not share a file system:
 
@@ -40,10 +41,12 @@ Example:
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpctx.checkpoint.regular import describe, not_regular
 from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage
 
 METADATA_FILE = ".metadata"
@@ -54,8 +57,8 @@ def check_listed(
 ) -> tuple[str, ...]:
     """The files ``recorded`` lists that this rank's view of ``folder`` lacks, sorted.
 
-    :class:`~ddpctx.checkpoint.sums.Damaged` for one that is there at another size, or
-    that no load reads (not in ``read``) and whose bytes are not
+    :class:`~ddpctx.checkpoint.sums.Damaged` for one that is there at another size or
+    is no regular file, or that no load reads (not in ``read``) and whose bytes are not
     those saved (read whole, here).
     """
     lacking = []
@@ -66,6 +69,8 @@ def check_listed(
         except FileNotFoundError:
             lacking.append(name)
             continue
+        if not stat.S_ISREG(status.st_mode):
+            raise Damaged(str(path), describe(path, status.st_mode))
         if status.st_size != record.size:
             raise Damaged(
                 str(path),
@@ -95,11 +100,14 @@ def shard_spans(metadata: Any) -> dict[str, int]:
 
 
 def short_shard(path: Path, metadata: Any) -> str | None:
-    """A shard of the checkpoint ``path`` shorter than ``metadata`` says, or missing; else None.
+    """A shard of the checkpoint ``path`` shorter than ``metadata`` says, missing, or no
+    regular file; else None.
 
     What tells a torn checkpoint without a manifest (file sizes only; nothing is read).
     """
     for name, size in sorted(shard_spans(metadata).items()):
+        if why := not_regular(path / name):
+            return why
         try:
             seen: int | None = (path / name).stat().st_size
         except FileNotFoundError:

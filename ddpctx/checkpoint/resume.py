@@ -61,6 +61,7 @@ from ddpctx.checkpoint.files import (
 )
 from ddpctx.checkpoint.listed import check_listed
 from ddpctx.checkpoint.meta import plain_meta
+from ddpctx.checkpoint.regular import not_regular
 from ddpctx.checkpoint.schedules import check_scheduler
 from ddpctx.checkpoint.sums import (
     Damaged,
@@ -309,6 +310,8 @@ def _read_verified(
     0.3x the time of a plain ``torch.load`` + ``load_state_dict``; reading the
     file into memory while hashing and loading from that buffer took 2x.
     """
+    if why := not_regular(path):  # a FIFO: damage, never opened (that would wait)
+        raise Damaged(str(path), why)
     manifest = sidecar(path)
     verified = manifest.exists()
     lacking: tuple[str, ...] = ()

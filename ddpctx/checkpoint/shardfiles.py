@@ -40,9 +40,11 @@ from ddpctx.checkpoint.files import (
     refuse_a_file,
 )
 from ddpctx.checkpoint.listed import short_shard
+from ddpctx.checkpoint.regular import not_regular
 from ddpctx.checkpoint.sums import (
     SHARDED_MANIFEST,
     Damaged,
+    damaged_warning,
     found_damaged,
     intact,
     read_manifest,
@@ -85,7 +87,14 @@ def next_checkpoint_dir(directory: Path, epoch: object = None, step: int | None 
 
 
 def lacks_files(path: Path) -> bool:
-    """Whether the directory lacks ``ddpctx.pt`` or DCP's ``.metadata`` (warned: it is skipped)."""
+    """Whether the directory lacks ``ddpctx.pt`` or DCP's ``.metadata`` (warned: it is skipped).
+
+    One that is there but no regular file (a FIFO) is damage, said as what it is.
+    """
+    for name in (STATE_FILE, METADATA_FILE):
+        if why := not_regular(path / name):
+            warn_user(damaged_warning(path, why, path / SHARDED_MANIFEST), RuntimeWarning)
+            return True
     missing = [name for name in (STATE_FILE, METADATA_FILE) if not (path / name).is_file()]
     if not missing:
         return False
