@@ -270,3 +270,58 @@ def test_a_save_beside_a_fifo_named_like_a_checkpoint_does_not_wait_on_it(
     run_distributed(save_steps, str(folder), "wrap", [4], world_size=2, timeout=60)
     said = every_reader(run_distributed, folder, "wrap")
     assert_all_chose(said, 4)
+
+
+# -- two checkpoints of one number
+
+
+def renumbered(checkpoint: Path, name: str) -> Path:
+    """``checkpoint`` renamed ``name``, its manifest with it (as a copy from elsewhere would be)."""
+    target = checkpoint.with_name(name)
+    checkpoint.rename(target)
+    if target.is_file():
+        sidecar(checkpoint).unlink()
+        write_manifest(sidecar(target), {target.name: file_sum(target)})
+    return target
+
+
+def test_two_files_of_one_number_are_named_and_every_reader_uses_the_same(
+    two_saved: Any, run_distributed: Any, tmp_path: Path
+) -> None:
+    # Found by the outside attack: the readers took the later name without a word.
+    folder = two_saved("wrap", tmp_path / "run")
+    run_distributed(save_steps, str(folder), "wrap", [3], world_size=2, timeout=60)
+    renumbered(folder / "checkpoint-000003-step3.pt", "checkpoint-000002-step3.pt")
+    said = every_reader(run_distributed, folder, "wrap")
+    assert_all_chose(said, 3)
+    both = ("checkpoint-000002-step2.pt", "checkpoint-000002-step3.pt")
+    assert_each_warned(said, *both, "numbered 000002", "Using 'checkpoint-000002-step3.pt'")
+
+
+def test_a_file_and_a_sharded_checkpoint_of_one_number_are_named_and_every_reader_uses_the_same(
+    two_saved: Any, run_distributed: Any, tmp_path: Path
+) -> None:
+    # Before: checkpoint_meta, load_weights, the export and an unsharded load took the .pt,
+    # a sharded load the .dcp, in silence. Of one number the .dcp is taken: every model loads it.
+    folder = two_saved("wrap", tmp_path / "run")
+    sharded = two_saved("shard", tmp_path / "sharded")
+    run_distributed(save_steps, str(sharded), "shard", [5], world_size=2, timeout=60)
+    shutil.copytree(sharded / "checkpoint-000003-step5.dcp", folder / "checkpoint-000002-step5.dcp")
+    said = every_reader(run_distributed, folder, "wrap")
+    said["load_checkpoint, sharded"] = run_distributed(
+        loaded_on_a_rank, [str(folder)] * 2, "shard", world_size=2, timeout=120
+    )
+    assert_all_chose(said, 5)
+    both = ("checkpoint-000002-step2.pt", "checkpoint-000002-step5.dcp")
+    assert_each_warned(said, *both, "Using 'checkpoint-000002-step5.dcp'")
+
+
+def test_a_save_after_two_checkpoints_of_one_number_numbers_past_them(
+    two_saved: Any, run_distributed: Any, tmp_path: Path
+) -> None:
+    folder = two_saved("wrap", tmp_path / "run")
+    shutil.copy(folder / "checkpoint-000002-step2.pt", folder / "checkpoint-000002-copy.pt")
+    run_distributed(save_steps, str(folder), "wrap", [7], world_size=2, timeout=60)
+    assert (folder / "checkpoint-000003-step7.pt").is_file()
+    said = every_reader(run_distributed, folder, "wrap")
+    assert_all_chose(said, 7)

@@ -3,7 +3,8 @@
 - A training checkpoint is one file written by :func:`~ddpctx.utils.atomic.atomic_save`,
   named for its order and for what it holds: ``checkpoint-000007-epoch3.pt``,
   ``checkpoint-000012-epoch5-step1200.pt`` (the six digits count saves and
-  order them; the rest is for people). It holds the bare model's state, the
+  order them; the rest is for people; two of one number are copied in, never
+  saved: :func:`say_alike`). It holds the bare model's state, the
   optimizer's, scheduler's, AMP scaler's and any ``extra`` objects' states,
   the caller's meta (converted by :mod:`ddpctx.checkpoint.meta` so it always loads), the
   world size, the position of every loader (:mod:`ddpctx.data.sampling`), and
@@ -140,6 +141,7 @@ def checkpoint_paths(directory: Path) -> list[Path]:
 
 #: Any checkpoint's name, a file (``.pt``) or a sharded directory (``.dcp``): one sequence.
 ANY_NAME = re.compile(r"^checkpoint-(\d{6,})")
+_EITHER = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.(pt|dcp)$")
 
 
 def highest_number(directory: Path) -> int:
@@ -291,6 +293,7 @@ def newest_checkpoint(directory: Path) -> Path | None:
             and probe(path, verified) is not None
         ):
             say_lost(directory, path)
+            say_alike(directory, path)
             return path
     if paths:
         raise RuntimeError(
@@ -446,6 +449,34 @@ def say_lost(directory: Path, chosen: Path) -> None:
             f"Using the older {chosen.name!r}, which loses the progress since. Copy "
             f"{lost[0].name!r} back beside its manifest to resume from it, or remove "
             f"{sidecar(lost[0]).name!r} if it is gone for good.",
+            RuntimeWarning,
+        )
+
+
+def say_alike(directory: Path, chosen: Path) -> None:
+    """Warn, naming them, when other checkpoints in ``directory`` have ``chosen``'s number.
+
+    ddpctx numbers every save past the highest number there (files and sharded
+    folders alike), so two of one number were copied or renamed in, and which is
+    newer cannot be told. Every reader takes the same one: of one number, a sharded
+    ``.dcp`` before a ``.pt`` (every reader reads both kinds; a sharded model only
+    the first), then the last name in order.
+    """
+    number = number_of(chosen)
+    others = sorted(
+        path.name
+        for path in directory.iterdir()
+        if path != chosen and _EITHER.match(path.name) and number_of(path) == number
+    )
+    if others:
+        names = ", ".join(others)
+        warn_user(
+            f"{str(directory)!r} holds {len(others) + 1} checkpoints numbered {number:06d}: "
+            f"{chosen.name} and {names}. ddpctx never saves two under one number (they were "
+            "copied or renamed into the directory), so which is newer cannot be told. Using "
+            f"{chosen.name!r}, as every reader does (of one number: a sharded .dcp before a "
+            f".pt, then the last name in order). Move {names} out of the directory, or, to "
+            f"resume from {'it' if len(others) == 1 else 'one of them'}, move the others out.",
             RuntimeWarning,
         )
 

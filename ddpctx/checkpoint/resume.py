@@ -55,6 +55,7 @@ from ddpctx.checkpoint.files import (
     refuse_a_file,
     remove_abandoned_checkpoint_temporaries,
     remove_checkpoint_file,
+    say_alike,
     say_lost,
     training_state,
     unwrap_model,
@@ -249,6 +250,7 @@ def load(
     where = repr(str(path))
     if place.rank == 0:
         say_lost(directory, path)
+        say_alike(directory, path)
         _after_choice(directory, path, state.get("keep"), seen)
     changed = check_world_size(state, path, place.world_size, allow_world_size_change)
     saved = saved_loaders(state.get("loaders") or [])

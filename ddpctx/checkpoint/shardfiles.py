@@ -38,6 +38,7 @@ from ddpctx.checkpoint.files import (
     probe,
     quietly,
     refuse_a_file,
+    say_alike,
 )
 from ddpctx.checkpoint.listed import short_shard
 from ddpctx.checkpoint.regular import not_regular
@@ -148,9 +149,11 @@ def newest_is_sharded(directory: Path) -> bool:
     """Whether the highest-numbered checkpoint in ``directory`` is a sharded one (loaded or not).
 
     What ``load_checkpoint`` of an unsharded model decides by: it then reads sharded checkpoints.
+    A sharded one and a file of one number (copied in, see
+    :func:`~ddpctx.checkpoint.files.say_alike`): the sharded one, which every model loads.
     """
     dirs, files = checkpoint_dirs(directory), checkpoint_paths(directory)
-    return bool(dirs) and (not files or number_of(dirs[0]) > number_of(files[0]))
+    return bool(dirs) and (not files or number_of(dirs[0]) >= number_of(files[0]))
 
 
 def newest_checkpoint_dir(directory: Path) -> Path | None:
@@ -166,6 +169,7 @@ def newest_checkpoint_dir(directory: Path) -> Path | None:
     for path in found:
         if complete(path):
             refuse_newer_file(directory, path, files)
+            say_alike(directory, path)
             return path
     if found or files:
         raise none_loads(directory, [path.name for path in found], files)

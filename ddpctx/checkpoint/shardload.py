@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ddpctx.checkpoint import perrank
-from ddpctx.checkpoint.files import bare, check_world_size, read_state
+from ddpctx.checkpoint.files import bare, check_world_size, read_state, say_alike
 from ddpctx.checkpoint.listed import check_listed, short_shard
 from ddpctx.checkpoint.resume import _check_extra, derived_seed
 from ddpctx.checkpoint.schedules import check_scheduler
@@ -145,6 +145,8 @@ def load(
             place, device, path, listed, model, optimizer, scheduler, allow_world_size_change
         )
         if attempt is not None:
+            if place.rank == 0:
+                say_alike(directory, path)
             state, changed = attempt
             return _restore_rest(
                 place,
