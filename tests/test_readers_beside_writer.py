@@ -224,7 +224,7 @@ def test_a_read_overtaken_more_often_than_its_attempts_goes_on_within_its_patien
 ) -> None:
     # A machine busy for a while slows every read past one save (CI: 3 of 240 reads failed
     # after 8 tries): within PATIENCE_S the read starts over however often it is overtaken.
-    from ddpctx.checkpoint import weights
+    from ddpctx.checkpoint import choice as weights  # the reads' patience lives there
     from ddpctx.checkpoint.weights import read_newest
 
     monkeypatch.setattr(weights, "NEXT_SAVE_S", 0.01)  # this writer saves only when read
@@ -238,7 +238,7 @@ def test_a_read_overtaken_more_often_than_its_attempts_goes_on_within_its_patien
 def test_a_read_overtaken_past_its_patience_says_why_and_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ddpctx.checkpoint import weights
+    from ddpctx.checkpoint import choice as weights  # the reads' patience lives there
     from ddpctx.checkpoint.weights import read_newest
 
     monkeypatch.setattr(weights, "NEXT_SAVE_S", 0.01)

@@ -278,11 +278,14 @@ def probe(path: Path, verified: bool = False) -> dict[str, Any] | None:
     return None
 
 
-def newest_checkpoint(directory: Path) -> Path | None:
+def newest_checkpoint(
+    directory: Path, probed: dict[Path, dict[str, Any]] | None = None
+) -> Path | None:
     """The newest checkpoint in ``directory`` that loads; None only if there is none at all.
 
     Torn files are skipped with a warning; a refused file is an error; when
-    checkpoints exist and none of them loads, that is an error.
+    checkpoints exist and none of them loads, that is an error. ``probed``
+    receives the state read of the one chosen (memory-mapped), by its path.
     """
     refuse_a_file(directory)
     paths = checkpoint_paths(directory)
@@ -290,8 +293,10 @@ def newest_checkpoint(directory: Path) -> Path | None:
         verified = sidecar(path).exists()
         if (
             intact(sidecar(path), path.parent, (path.name,), path)
-            and probe(path, verified) is not None
+            and (state := probe(path, verified)) is not None
         ):
+            if probed is not None:
+                probed[path] = state
             say_lost(directory, path)
             say_alike(directory, path)
             return path

@@ -27,6 +27,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddpctx.checkpoint.files import (
     RefusedCheckpoint,
@@ -108,12 +109,13 @@ def lacks_files(path: Path) -> bool:
     return True
 
 
-def complete(path: Path) -> bool:
+def complete(path: Path, probed: dict[Path, dict[str, Any]] | None = None) -> bool:
     """Whether the directory holds a whole, undamaged checkpoint; warns (and says why) if not.
 
     For one process that reads the whole checkpoint (``load_weights``): every
     file is verified against the manifest before anything in it is unpickled,
     and DCP's ``.metadata`` is unpickled restricted (a refused one is an error).
+    ``probed`` receives its ``ddpctx.pt``'s state, by ``path``.
     """
     from ddpctx.checkpoint.dcpread import read_metadata
 
@@ -142,7 +144,10 @@ def complete(path: Path) -> bool:
             RuntimeWarning,
         )
         return False
-    return probe(path / STATE_FILE, verified=recorded is not None) is not None
+    state = probe(path / STATE_FILE, verified=recorded is not None)
+    if state is not None and probed is not None:
+        probed[path] = state
+    return state is not None
 
 
 def newest_is_sharded(directory: Path) -> bool:
@@ -156,18 +161,21 @@ def newest_is_sharded(directory: Path) -> bool:
     return bool(dirs) and (not files or number_of(dirs[0]) >= number_of(files[0]))
 
 
-def newest_checkpoint_dir(directory: Path) -> Path | None:
+def newest_checkpoint_dir(
+    directory: Path, probed: dict[Path, dict[str, Any]] | None = None
+) -> Path | None:
     """The newest complete sharded checkpoint; None when there is no checkpoint at all.
 
     For one process that reads the whole checkpoint (every file verified). A
     single-file checkpoint newer than it (the run went on unsharded) is an
     error: loading the older sharded one would silently go back in time.
+    ``probed`` receives its ``ddpctx.pt``'s state (:func:`complete`).
     """
     refuse_a_file(directory)
     found = checkpoint_dirs(directory)
     files = [path.name for path in checkpoint_paths(directory)]
     for path in found:
-        if complete(path):
+        if complete(path, probed):
             refuse_newer_file(directory, path, files)
             say_alike(directory, path)
             return path
