@@ -402,3 +402,24 @@ def test_a_manifest_that_is_a_pipe_is_damage_not_a_wait(
     assert done.returncode == 0, done.stderr[-2000:]
     assert "not a regular file" in done.stderr, done.stderr[-2000:]
     assert str(manifest) in done.stderr, done.stderr[-2000:]
+
+
+def test_a_storage_without_its_record_is_said_so_not_as_a_record_of_none_bytes() -> None:
+    # Found by the outside attack: "a storage of 32 bytes in a record of None bytes".
+    from ddpctx.checkpoint.claims import check_torch_file
+    from ddpctx.checkpoint.files import RefusedCheckpoint
+
+    blob = io.BytesIO()
+    torch.save({"w": torch.ones(8)}, blob)
+    found = records(blob.getvalue())
+    assert "data/0" in found, sorted(found)
+    moved = io.BytesIO()
+    with zipfile.ZipFile(moved, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in found.items():
+            archive.writestr(f"archive/{'data/7' if name == 'data/0' else name}", data)
+    with pytest.raises(RefusedCheckpoint) as said:
+        check_torch_file(io.BytesIO(moved.getvalue()), len(moved.getvalue()), Path("a.pt"))
+    message = str(said.value)
+    assert "None" not in message, message
+    assert "a storage of 32 bytes whose record 'data/0' is not in the file" in message, message
+    assert "restore it from a copy you trust" in message, message  # the fix

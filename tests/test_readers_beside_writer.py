@@ -224,27 +224,27 @@ def test_a_read_overtaken_more_often_than_its_attempts_goes_on_within_its_patien
 ) -> None:
     # A machine busy for a while slows every read past one save (CI: 3 of 240 reads failed
     # after 8 tries): within PATIENCE_S the read starts over however often it is overtaken.
-    from ddpctx.checkpoint import weights
+    from ddpctx.checkpoint import choice  # where the reads' patience is set
     from ddpctx.checkpoint.weights import read_newest
 
-    monkeypatch.setattr(weights, "NEXT_SAVE_S", 0.01)  # this writer saves only when read
-    overtaken, read = overtaking_reader(tmp_path, weights.ATTEMPTS + 4)
+    monkeypatch.setattr(choice, "NEXT_SAVE_S", 0.01)  # this writer saves only when read
+    overtaken, read = overtaking_reader(tmp_path, choice.ATTEMPTS + 4)
     found = read_newest(tmp_path, overtaken)
     assert found is not None
-    assert len(read) == weights.ATTEMPTS + 5
-    assert one_step(found[1]) == weights.ATTEMPTS + 5
+    assert len(read) == choice.ATTEMPTS + 5
+    assert one_step(found[1]) == choice.ATTEMPTS + 5
 
 
 def test_a_read_overtaken_past_its_patience_says_why_and_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ddpctx.checkpoint import weights
+    from ddpctx.checkpoint import choice  # where the reads' patience is set
     from ddpctx.checkpoint.weights import read_newest
 
-    monkeypatch.setattr(weights, "NEXT_SAVE_S", 0.01)
-    monkeypatch.setattr(weights, "PATIENCE_S", 0.0)  # no patience past the attempts
+    monkeypatch.setattr(choice, "NEXT_SAVE_S", 0.01)
+    monkeypatch.setattr(choice, "PATIENCE_S", 0.0)  # no patience past the attempts
     overtaken, read = overtaking_reader(tmp_path, 100)
     with pytest.raises(RuntimeError, match="changed under each of 8 reads") as raised:
         read_newest(tmp_path, overtaken)
-    assert len(read) == weights.ATTEMPTS
+    assert len(read) == choice.ATTEMPTS
     assert "larger keep=" in str(raised.value)

@@ -16,10 +16,14 @@
 - :mod:`~ddpctx.checkpoint.shardwriter`: DCP's file writer, keeping a failed write's ``errno``.
 - :mod:`~ddpctx.checkpoint.writefailures`: a failed sharded write as an ``OSError`` naming the path.
 - :mod:`~ddpctx.checkpoint.claims`: what a pickle claims, weighed against its file's size first.
+- :mod:`~ddpctx.checkpoint.opwalk`: a pickle's opcodes followed on a model of its stack, linearly.
 - :mod:`~ddpctx.checkpoint.shape`: what an unpickled value expands to, and how deep it nests.
 - :mod:`~ddpctx.checkpoint.sums`: checksums, recorded at save, verified by each rank as it reads.
+- :mod:`~ddpctx.checkpoint.listed`: every file a manifest lists must be there; who must hold it.
+- :mod:`~ddpctx.checkpoint.regular`: a checkpoint's files are regular files; a FIFO is never opened.
 - :mod:`~ddpctx.checkpoint.writerlock`: one writing job per checkpoint directory, enforced.
 - :mod:`~ddpctx.checkpoint.faces`: ``ctx.save``/``load``/``save_checkpoint``/``load_checkpoint``.
+- :mod:`~ddpctx.checkpoint.choice`: the checkpoint a reader in one process reads, read once.
 - :mod:`~ddpctx.checkpoint.weights`: ``checkpoint_meta`` and ``load_weights``, in one plain process.
 - :mod:`~ddpctx.checkpoint.export`: a checkpoint as a plain ``.pt`` or ``.safetensors`` file.
 

@@ -8,8 +8,8 @@ expanded over 4 bytes (zero strides) that an export then materialises; and
 finds the bytes missing. A checksum is no defence (anyone can re-sign a
 file). So before any checkpoint pickle is unpickled -- a ``.pt``'s
 ``data.pkl``, a shard entry's, DCP's ``.metadata`` -- :func:`check_pickle`
-walks its opcodes (:func:`pickletools.genops`, which reads no more than the
-bytes there) with a small model of the unpickler's stack, and refuses
+walks its opcodes (:mod:`ddpctx.checkpoint.opwalk`: no more than the bytes
+there, in time linear in them) with a small model of the unpickler's stack, and refuses
 (:class:`~ddpctx.checkpoint.sums.RefusedCheckpoint`, naming the file) when:
 
 - what it would allocate -- each constructor's claimed size (a byte an
@@ -47,10 +47,8 @@ Example:
 from __future__ import annotations
 
 import functools
-import io
 import itertools
 import math
-import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -59,6 +57,11 @@ from typing import IO, Any
 
 import torch
 
+from ddpctx.checkpoint.opwalk import OPAQUE as _OPAQUE
+from ddpctx.checkpoint.opwalk import Global as _Global
+from ddpctx.checkpoint.opwalk import Refused as _Refused
+from ddpctx.checkpoint.opwalk import ints as _ints
+from ddpctx.checkpoint.opwalk import walk
 from ddpctx.checkpoint.sums import Damaged, Recorded, RefusedCheckpoint
 
 #: What a file may claim to allocate, as a multiple of its own size (see the module docstring).
@@ -92,14 +95,6 @@ _HARMLESS = {  # callables whose int arguments allocate nothing
     "torch._utils._rebuild_nested_tensor",
 }
 _BYTES = {"builtins.bytearray", "builtins.bytes"}
-_REFUSED_OPS = {"NEXT_BUFFER", "READONLY_BUFFER", "EXT1", "EXT2", "EXT4"}
-
-
-class _Global(str):
-    """A global a pickle names (``module.name``; protocol 2's ``__builtin__`` as ``builtins``)."""
-
-    def __new__(cls, name: str) -> _Global:
-        return super().__new__(cls, name.replace("__builtin__.", "builtins.", 1))
 
 
 @dataclass(frozen=True)
@@ -108,18 +103,6 @@ class _Storage:
 
     numel: int
     itemsize: int
-
-
-class _Opaque:
-    """Any value the model does not follow (a dict, a tensor, an object)."""
-
-
-_OPAQUE = _Opaque()
-_MARK = object()
-
-
-class _Refused(Exception):
-    """What in the pickle is refused, said as a phrase."""
 
 
 @functools.cache
@@ -131,17 +114,6 @@ def _itemsizes() -> dict[str, int]:
         if isinstance(dtype, torch.dtype):
             sizes[name] = dtype.itemsize
     return sizes
-
-
-def _ints(value: Any) -> list[int]:
-    """The ints of an argument: itself, or those of a tuple or list of ints (a size)."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
-    return []
 
 
 def _size(value: Any, what: str) -> int:
@@ -181,7 +153,13 @@ class _Claims:
             self.add(numel * itemsize, f"a storage of {numel * itemsize} bytes")
         else:
             held = self.records.get(str(key))
-            if held is None or numel * itemsize > held:
+            if held is None:
+                record = f"data/{key}"
+                raise _Refused(
+                    f"a storage of {numel * itemsize} bytes whose record {record!r:.80} is not "
+                    "in the file (a torch file holds a record for each storage)"
+                )
+            if numel * itemsize > held:
                 raise _Refused(f"a storage of {numel * itemsize} bytes in a record of {held} bytes")
         return _Storage(numel, itemsize)
 
@@ -219,121 +197,6 @@ class _Claims:
         return _OPAQUE
 
 
-def _pop_mark(stack: list[Any], marks: list[int]) -> list[Any]:
-    if not marks:
-        raise _Refused("a pickle whose MARKs do not match")
-    start = marks.pop()
-    items = stack[start:]
-    del stack[start:]
-    return items
-
-
-def _pop(stack: list[Any], count: int = 1) -> list[Any]:
-    if len(stack) < count:
-        raise _Refused("a pickle that pops an empty stack")
-    items = stack[len(stack) - count :]
-    del stack[len(stack) - count :]
-    return items
-
-
-def _walk(data: bytes | memoryview | IO[bytes], claims: _Claims) -> None:
-    """Follow the pickle's opcodes, adding up what it claims; :class:`_Refused` if refused.
-
-    ``data``: the pickle, or a stream positioned at one (left just past its STOP).
-    """
-    stack: list[Any] = []
-    marks: list[int] = []
-    memo: dict[int, Any] = {}
-    stream = io.BytesIO(data) if isinstance(data, (bytes, memoryview)) else data
-    for opcode, arg, _ in pickletools.genops(stream):
-        name = opcode.name
-        if name in _REFUSED_OPS:
-            raise _Refused(f"the pickle opcode {name} (nothing torch.save or DCP writes)")
-        if name in ("PROTO", "FRAME", "STOP"):
-            continue
-        if name == "MARK":
-            marks.append(len(stack))
-        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[int(arg or 0)] = stack[-1] if stack else _OPAQUE
-        elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1] if stack else _OPAQUE
-        elif name in ("BINGET", "LONG_BINGET", "GET"):
-            stack.append(memo.get(int(arg or 0), _OPAQUE))
-        elif name in ("GLOBAL", "INST"):
-            module, _, attribute = str(arg).partition(" ")
-            if name == "INST":
-                claims.call(_Global(f"{module}.{attribute}"), tuple(_pop_mark(stack, marks)))
-                stack.append(_OPAQUE)
-            else:
-                stack.append(_Global(f"{module}.{attribute}"))
-        elif name == "STACK_GLOBAL":
-            module, attribute = _pop(stack, 2)
-            stack.append(_Global(f"{module}.{attribute}"))
-        elif name in ("REDUCE", "NEWOBJ"):
-            callee, args = _pop(stack, 2)
-            stack.append(claims.call(callee, args))
-        elif name == "NEWOBJ_EX":
-            callee, args, _ = _pop(stack, 3)
-            stack.append(claims.call(callee, args))
-        elif name == "OBJ":
-            items = _pop_mark(stack, marks)
-            stack.append(claims.call(items[0], tuple(items[1:])) if items else _OPAQUE)
-        elif name in ("BINPERSID", "PERSID"):
-            pid = _pop(stack)[0] if name == "BINPERSID" else arg
-            stack.append(claims.storage(pid))
-        else:
-            _plain(name, arg, stack, marks)
-
-
-def _plain(name: str, arg: Any, stack: list[Any], marks: list[int]) -> None:
-    """The opcodes that build plain values: constants, tuples, lists, dicts, sets."""
-    if name in ("TUPLE", "LIST"):
-        items = _pop_mark(stack, marks)
-        stack.append(tuple(items) if name == "TUPLE" else items)
-    elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-        stack.append(tuple(_pop(stack, int(name[-1]))))
-    elif name == "EMPTY_TUPLE":
-        stack.append(())
-    elif name == "EMPTY_LIST":
-        stack.append([])
-    elif name == "APPEND":
-        item = _pop(stack)[0]
-        if stack and isinstance(stack[-1], list):
-            stack[-1].append(item)
-    elif name == "APPENDS":
-        items = _pop_mark(stack, marks)
-        if stack and isinstance(stack[-1], list):
-            stack[-1].extend(items)
-    elif name in ("DICT", "FROZENSET"):
-        _pop_mark(stack, marks)
-        stack.append(_OPAQUE)
-    elif name in ("EMPTY_DICT", "EMPTY_SET"):
-        stack.append(_OPAQUE)
-    elif name in ("SETITEMS", "ADDITEMS"):
-        _pop_mark(stack, marks)
-    elif name == "SETITEM":
-        _pop(stack, 2)
-    elif name in ("BUILD", "POP"):
-        _pop(stack)
-    elif name == "POP_MARK":
-        _pop_mark(stack, marks)
-    elif name == "DUP":
-        stack.append(stack[-1] if stack else _OPAQUE)
-    elif name in ("NONE", "NEWTRUE", "NEWFALSE"):
-        stack.append({"NONE": None, "NEWTRUE": True, "NEWFALSE": False}[name])
-    elif name in _CONSTANTS:
-        stack.append(arg)
-    else:
-        raise _Refused(f"the pickle opcode {name} (nothing torch.save or DCP writes)")
-
-
-_CONSTANTS = {
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
-    "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE",
-    "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
-}  # fmt: skip
-
-
 def refusal(path: Path, what: str) -> RefusedCheckpoint:
     """The error for a file that claims what it cannot hold (``what``), or does not read."""
     return RefusedCheckpoint(
@@ -355,7 +218,7 @@ def check_pickle(
     """
     claims = _Claims(max(FLOOR, MULTIPLE * size), records)
     try:
-        _walk(data, claims)
+        walk(bytes(data) if isinstance(data, memoryview) else data, claims, 0, size)
     except _Refused as error:
         raise refusal(path, str(error)) from None
     except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
@@ -367,9 +230,10 @@ def _check_legacy(source: IO[bytes], size: int, path: Path) -> None:
     """A torch file of the legacy (pre-zip) format: its five pickles (magic number,
     protocol, system info, the data, the storage keys), each storage weighed as allocated."""
     claims = _Claims(max(FLOOR, MULTIPLE * size), None)
+    data, position = source.read(), 0  # torch reads a legacy file whole too
     try:
         for _ in range(5):
-            _walk(source, claims)
+            position = walk(data, claims, position, size)
     except _Refused as error:
         raise refusal(path, str(error)) from None
     except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
@@ -470,7 +334,7 @@ def check_metadata_claims(path: Path, metadata: Any, manifest: dict[str, Recorde
     Each entry must lie within its shard as the manifest records it; each tensor's
     elements times their size must fit in the entries that hold its chunks (what a
     reader allocates for it). Without a manifest, a shard shorter than its entries
-    is torn (``dcpread.short_shard``); the tensors are weighed all the same.
+    is torn (``listed.short_shard``); the tensors are weighed all the same.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

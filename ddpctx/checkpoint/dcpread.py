@@ -64,6 +64,7 @@ from ddpctx.checkpoint.claims import check_metadata_claims, check_pickle, refusa
 from ddpctx.checkpoint.entries import in_place_tensor, refused, weights_only_value
 from ddpctx.checkpoint.files import RefusedCheckpoint
 from ddpctx.checkpoint.mapped import View, entry_bytes
+from ddpctx.checkpoint.regular import NotRegular, open_regular
 from ddpctx.checkpoint.shape import check_loaded
 from ddpctx.checkpoint.sums import Damaged, Recorded, file_damage, mismatch, verified_bytes
 from ddpctx.utils.digest import hasher
@@ -173,29 +174,26 @@ def read_metadata(path: Path, manifest: dict[str, Recorded] | None) -> Any:
 _SPAN = ("offset", "length")  # what each entry of .metadata must give, as ints
 
 
-def shard_spans(metadata: Any) -> dict[str, int]:
-    """Each shard file ``metadata`` names -> the bytes it must hold at least."""
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    return needed
+def files_read(metadata: Any) -> set[str]:
+    """The shard files a load may read: those holding an entry that is no empty chunk.
 
-
-def short_shard(path: Path, metadata: Any) -> str | None:
-    """A shard of the checkpoint ``path`` shorter than ``metadata`` says, or missing; else None.
-
-    What tells a torn checkpoint without a manifest (file sizes only; nothing is read).
+    A file of empty chunks alone (a rank's empty slices of small tensors) is in no rank's
+    plan, so no load reads it; :mod:`ddpctx.checkpoint.listed` has it verified whole.
     """
-    for name, size in sorted(shard_spans(metadata).items()):
-        try:
-            seen: int | None = (path / name).stat().st_size
-        except FileNotFoundError:
-            seen = None
-        if seen is None or seen < size:
-            have = "is missing" if seen is None else f"has {seen} bytes"
-            return f"{name!r} {have}, and DCP's {METADATA_FILE} needs {size}"
-    return None
+    state = getattr(metadata, "state_dict_metadata", None) or {}
+    return {
+        info.relative_path
+        for index, info in metadata.storage_data.items()
+        if not _empty(state.get(index.fqn), index)
+    }
+
+
+def _empty(stored: Any, index: Any) -> bool:
+    """Whether the entry ``index`` of the tensor ``stored`` is a chunk of no elements."""
+    if not isinstance(stored, TensorStorageMetadata):
+        return False
+    chunk = _chunk_at(stored.chunks, index)
+    return chunk is not None and math.prod(chunk.sizes) == 0
 
 
 def cause_of(error: BaseException) -> Damaged | RefusedCheckpoint | None:
@@ -286,9 +284,11 @@ class Reader(FileSystemReader):
         if record and any((s.offset, s.length) not in parts for s in spans):
             self._verify_whole(path, record)  # a manifest without this file's parts
         try:
-            stream = open(path, "rb")  # noqa: SIM115 -- closed below, after every entry
+            stream = open_regular(path)  # a FIFO: said, never waited on; closed below
         except FileNotFoundError:
             raise Damaged(str(path), f"{path.name!r} is missing") from None
+        except NotRegular as error:
+            raise Damaged(str(path), str(error)) from None
         with stream:
             size = _size(stream)
             if record is not None and size != record.size:
@@ -322,15 +322,11 @@ class Reader(FileSystemReader):
         (an empty tensor, a rank's empty slice of a small one). Their bytes are in the file,
         so the ranks reading it verify them too -- a flipped bit there is damage as well."""
         state = getattr(self._metadata, "state_dict_metadata", None) or {}
-        found = []
-        for index, info in self.storage_data.items():
-            stored = state.get(index.fqn)
-            if info.relative_path != name or not isinstance(stored, TensorStorageMetadata):
-                continue
-            chunk = _chunk_at(stored.chunks, index)
-            if chunk is not None and math.prod(chunk.sizes) == 0:
-                found.append((index.fqn, info))
-        return found
+        return [
+            (index.fqn, info)
+            for index, info in self.storage_data.items()
+            if info.relative_path == name and _empty(state.get(index.fqn), index)
+        ]
 
     @staticmethod
     def _check(

@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
+from ddpctx.checkpoint.choice import one_checkpoint, read_chosen
 from ddpctx.checkpoint.files import ANY_NAME
-from ddpctx.checkpoint.weights import meta_of, one_checkpoint, read_newest, weights_of
+from ddpctx.checkpoint.weights import meta_of, weights_of
 from ddpctx.utils.atomic import atomic_save, temporary_name
 
 EXPORT_FORMAT = "ddpctx-export-1"
@@ -54,7 +55,13 @@ def export_checkpoint(
     save_file = _safetensors_writer() if as_safetensors else None  # refused before reading
     where = Path(checkpoint)
     _refuse_a_checkpoint_name(target, where.parent if one_checkpoint(where) else where)
-    found = read_newest(where, lambda chosen: (weights_of(chosen)[0], meta_of(chosen)))
+    found = read_chosen(
+        where,
+        lambda chosen: (
+            weights_of(chosen.path, small=chosen.small)[0],
+            meta_of(chosen.path, chosen.small),
+        ),
+    )
     if found is None:
         raise FileNotFoundError(
             f"{str(checkpoint)!r} holds no checkpoint to export. Pass the directory given to "

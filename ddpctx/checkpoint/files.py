@@ -3,7 +3,8 @@
 - A training checkpoint is one file written by :func:`~ddpctx.utils.atomic.atomic_save`,
   named for its order and for what it holds: ``checkpoint-000007-epoch3.pt``,
   ``checkpoint-000012-epoch5-step1200.pt`` (the six digits count saves and
-  order them; the rest is for people). It holds the bare model's state, the
+  order them; the rest is for people; two of one number are copied in, never
+  saved: :func:`say_alike`). It holds the bare model's state, the
   optimizer's, scheduler's, AMP scaler's and any ``extra`` objects' states,
   the caller's meta (converted by :mod:`ddpctx.checkpoint.meta` so it always loads), the
   world size, the position of every loader (:mod:`ddpctx.data.sampling`), and
@@ -66,15 +67,18 @@ import torch
 from torch import nn
 
 from ddpctx.checkpoint.claims import check_torch_file, refusal
+from ddpctx.checkpoint.regular import NotRegular, open_regular
 from ddpctx.checkpoint.shape import check_loaded
-from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
 from ddpctx.checkpoint.sums import (
+    Damaged,
     Torn,
+    damaged_warning,
     found_damaged,
     intact,
     sidecar,
     sizes_differ,
 )
+from ddpctx.checkpoint.sums import RefusedCheckpoint as RefusedCheckpoint  # its old home
 from ddpctx.parallel.wrapping import unwrap_model
 from ddpctx.utils.atomic import atomic_save, remove_abandoned
 from ddpctx.utils.warn import warn_user
@@ -137,6 +141,7 @@ def checkpoint_paths(directory: Path) -> list[Path]:
 
 #: Any checkpoint's name, a file (``.pt``) or a sharded directory (``.dcp``): one sequence.
 ANY_NAME = re.compile(r"^checkpoint-(\d{6,})")
+_EITHER = re.compile(r"^checkpoint-(\d{6,})(-[a-z0-9-]+)?\.(pt|dcp)$")
 
 
 def highest_number(directory: Path) -> int:
@@ -205,13 +210,14 @@ def read_state(
     small multiple of its size is allocated), and what it loaded before anything walks
     it (:mod:`ddpctx.checkpoint.shape`: its depth, and its size with shared parts expanded).
     :class:`~ddpctx.checkpoint.sums.Torn` when it does not read as a torch file (torn, or
-    missing); :class:`RefusedCheckpoint` when
+    missing); :class:`~ddpctx.checkpoint.sums.Damaged` when it is no regular file (a FIFO:
+    never opened, :mod:`ddpctx.checkpoint.regular`); :class:`RefusedCheckpoint` when
     ``weights_only`` refuses what it holds (pickled code: refused as unsafe), it claims
     more than it holds, it is not a ddpctx checkpoint, or it fails to read although
     ``verified`` (its checksum matched: it was written so, it is not torn).
     """
     try:
-        with open(path, "rb") as stream:
+        with open_regular(path) as stream:  # a FIFO: said, never waited on
             size = os.fstat(stream.fileno()).st_size
             check_torch_file(stream, size, path)
         try:
@@ -223,6 +229,8 @@ def read_state(
             state = torch.load(path, map_location=device, weights_only=True)
     except RefusedCheckpoint:
         raise
+    except NotRegular as error:
+        raise Damaged(str(path), str(error)) from None
     except Exception as error:
         if "Weights only load failed" in str(error):
             reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
@@ -253,7 +261,8 @@ def read_state(
 
 
 def probe(path: Path, verified: bool = False) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` (memory-mapped), None if torn; RefusedCheckpoint if refused.
+    """The checkpoint at ``path`` (memory-mapped), None if torn or damaged (warned);
+    RefusedCheckpoint if refused.
 
     ``verified``: its checksum just matched, so a failure to read it is a refusal.
     """
@@ -264,14 +273,19 @@ def probe(path: Path, verified: bool = False) -> dict[str, Any] | None:
             f"skipping {str(path)!r}: it is torn: {error.reason}; trying an older checkpoint.",
             RuntimeWarning,
         )
-        return None
+    except Damaged as error:  # no regular file (a FIFO)
+        warn_user(damaged_warning(path, error.reason, sidecar(path)), RuntimeWarning)
+    return None
 
 
-def newest_checkpoint(directory: Path) -> Path | None:
+def newest_checkpoint(
+    directory: Path, probed: dict[Path, dict[str, Any]] | None = None
+) -> Path | None:
     """The newest checkpoint in ``directory`` that loads; None only if there is none at all.
 
     Torn files are skipped with a warning; a refused file is an error; when
-    checkpoints exist and none of them loads, that is an error.
+    checkpoints exist and none of them loads, that is an error. ``probed``
+    receives the state read of the one chosen (memory-mapped), by its path.
     """
     refuse_a_file(directory)
     paths = checkpoint_paths(directory)
@@ -279,9 +293,12 @@ def newest_checkpoint(directory: Path) -> Path | None:
         verified = sidecar(path).exists()
         if (
             intact(sidecar(path), path.parent, (path.name,), path)
-            and probe(path, verified) is not None
+            and (state := probe(path, verified)) is not None
         ):
+            if probed is not None:
+                probed[path] = state
             say_lost(directory, path)
+            say_alike(directory, path)
             return path
     if paths:
         raise RuntimeError(
@@ -437,6 +454,34 @@ def say_lost(directory: Path, chosen: Path) -> None:
             f"Using the older {chosen.name!r}, which loses the progress since. Copy "
             f"{lost[0].name!r} back beside its manifest to resume from it, or remove "
             f"{sidecar(lost[0]).name!r} if it is gone for good.",
+            RuntimeWarning,
+        )
+
+
+def say_alike(directory: Path, chosen: Path) -> None:
+    """Warn, naming them, when other checkpoints in ``directory`` have ``chosen``'s number.
+
+    ddpctx numbers every save past the highest number there (files and sharded
+    folders alike), so two of one number were copied or renamed in, and which is
+    newer cannot be told. Every reader takes the same one: of one number, a sharded
+    ``.dcp`` before a ``.pt`` (every reader reads both kinds; a sharded model only
+    the first), then the last name in order.
+    """
+    number = number_of(chosen)
+    others = sorted(
+        path.name
+        for path in directory.iterdir()
+        if path != chosen and _EITHER.match(path.name) and number_of(path) == number
+    )
+    if others:
+        names = ", ".join(others)
+        warn_user(
+            f"{str(directory)!r} holds {len(others) + 1} checkpoints numbered {number:06d}: "
+            f"{chosen.name} and {names}. ddpctx never saves two under one number (they were "
+            "copied or renamed into the directory), so which is newer cannot be told. Using "
+            f"{chosen.name!r}, as every reader does (of one number: a sharded .dcp before a "
+            f".pt, then the last name in order). Move {names} out of the directory, or, to "
+            f"resume from {'it' if len(others) == 1 else 'one of them'}, move the others out.",
             RuntimeWarning,
         )
 

@@ -55,11 +55,14 @@ from ddpctx.checkpoint.files import (
     refuse_a_file,
     remove_abandoned_checkpoint_temporaries,
     remove_checkpoint_file,
+    say_alike,
     say_lost,
     training_state,
     unwrap_model,
 )
+from ddpctx.checkpoint.listed import check_listed
 from ddpctx.checkpoint.meta import plain_meta
+from ddpctx.checkpoint.regular import not_regular
 from ddpctx.checkpoint.schedules import check_scheduler
 from ddpctx.checkpoint.sums import (
     Damaged,
@@ -230,9 +233,10 @@ def load(
     for name in names:  # each rank verifies and reads its own copy; one gather decides
         path = directory / name
         read = partial(_read_verified, place, path, device)
-        whole, state = read_together(place, path, sidecar(path), read)
-        if whole:
-            chosen = path
+        outcome = read_together(place, path, sidecar(path), read, _lacking)
+        whole, found = outcome  # in two steps: unpacked at once, mypy infers T | None for T
+        if whole and found is not None:
+            chosen, state = path, found[0]
             break
     if chosen is None or state is None:
         raise RuntimeError(
@@ -246,6 +250,7 @@ def load(
     where = repr(str(path))
     if place.rank == 0:
         say_lost(directory, path)
+        say_alike(directory, path)
         _after_choice(directory, path, state.get("keep"), seen)
     changed = check_world_size(state, path, place.world_size, allow_world_size_change)
     saved = saved_loaders(state.get("loaders") or [])
@@ -293,8 +298,11 @@ def _candidates(directory: Path) -> list[str]:
     return [path.name for path in checkpoint_paths(directory)]
 
 
-def _read_verified(place: Place, path: Path, device: torch.device) -> dict[str, Any]:
-    """This rank's copy of the checkpoint ``path``: verified against its manifest, then loaded.
+def _read_verified(
+    place: Place, path: Path, device: torch.device
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """This rank's copy of the checkpoint ``path``, verified against its manifest, then loaded;
+    and the files its manifest lists that this rank lacks (:mod:`ddpctx.checkpoint.listed`).
 
     The file is hashed in one sequential pass, then memory-mapped by ``torch.load``:
     the model's tensors are copied once, from the page cache the hash just
@@ -304,8 +312,11 @@ def _read_verified(place: Place, path: Path, device: torch.device) -> dict[str, 
     0.3x the time of a plain ``torch.load`` + ``load_state_dict``; reading the
     file into memory while hashing and loading from that buffer took 2x.
     """
+    if why := not_regular(path):  # a FIFO: damage, never opened (that would wait)
+        raise Damaged(str(path), why)
     manifest = sidecar(path)
     verified = manifest.exists()
+    lacking: tuple[str, ...] = ()
     if verified:
         recorded = read_manifest(manifest)
         if isinstance(recorded, str):
@@ -314,9 +325,14 @@ def _read_verified(place: Place, path: Path, device: torch.device) -> dict[str, 
             raise Damaged(str(manifest), f"its manifest does not list {path.name!r}")
         if reason := file_damage(path, recorded[path.name]):
             raise Damaged(str(path), reason)
+        lacking = check_listed(recorded, path.parent, read={path.name})
     elif place.rank == 0:
         warn_user(unverified_warning(path, manifest), RuntimeWarning)
-    return _off_the_file(read_state(path, device, mmap=True, verified=verified))
+    return _off_the_file(read_state(path, device, mmap=True, verified=verified)), lacking
+
+
+def _lacking(found: tuple[dict[str, Any], tuple[str, ...]]) -> tuple[str, ...]:
+    return found[1]
 
 
 def _off_the_file(state: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +58,14 @@ __all__ = ["MAX_DEPTH", "RefusedCheckpoint", "check_loaded"]
 MAX_DEPTH = 100
 
 
-def _children(value: Any) -> list[Any] | None:
+def _children(value: Any) -> Iterable[Any] | None:
     """The values ``value`` holds, or None when it is a leaf."""
     if isinstance(value, (str, bytes, bytearray, int, float, complex, torch.Tensor)):
         return None
     if isinstance(value, dict):
-        return [*value.keys(), *value.values()]
+        return itertools.chain(value.keys(), value.values())
     if isinstance(value, (list, tuple, set, frozenset)):
-        return list(value)
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [getattr(value, field.name, None) for field in dataclasses.fields(value)]
     return None
@@ -96,16 +98,21 @@ def check_loaded(value: Any, size: int, path: Path, expanded: bool = True) -> No
     budget = max(FLOOR, MULTIPLE * size)
     done: dict[int, tuple[int, int]] = {}  # id -> (expanded size, height)
     open_: set[int] = set()  # the containers on the current path (a cycle meets one)
-    stack: list[tuple[Any, int, list[Any] | None]] = [(value, 1, None)]
+    # (a container, its depth, and once opened: what its leaves weigh and its container kids)
+    stack: list[tuple[Any, int, int, list[Any] | None]] = [(value, 1, 0, None)]
+    if _children(value) is None:
+        return
     while stack:
-        node, depth, kids = stack.pop()
+        node, depth, leaves, kids = stack.pop()
         key = id(node)
-        if kids is not None:  # all of its children are done: weigh it
+        if kids is not None:  # all of its kids are done: weigh it
             open_.discard(key)
-            total, height = 1, 0
+            total, height = 1 + leaves, 0
             for kid in kids:
-                grown, tall = done.get(id(kid), (_weight(kid), 0))
-                total, height = total + grown, max(height, tall)
+                grown, tall = done[id(kid)]
+                total += grown
+                if tall > height:
+                    height = tall
             done[key] = (total, height + 1)
             if expanded and total > budget:
                 raise refusal(
@@ -121,11 +128,32 @@ def check_loaded(value: Any, size: int, path: Path, expanded: bool = True) -> No
             continue
         if key in open_:
             raise refusal(path, "a value that holds itself (a cycle: it cannot be copied)")
-        children = _children(node)
-        if children is None:
-            continue
         if depth > MAX_DEPTH:
             raise _too_deep(path)
         open_.add(key)
-        stack.append((node, depth, children))
-        stack.extend((kid, depth + 1, None) for kid in children if _children(kid) is not None)
+        leaves, kids = _split(_children(node) or ())
+        stack.append((node, depth, leaves, kids))
+        stack.extend((kid, depth + 1, 0, None) for kid in kids)
+
+
+#: Leaves of one item each, by exact type (the common case, told apart without ``isinstance``).
+_ONE = {int, float, bool, complex, type(None)}
+_SIZED = {str, bytes, bytearray}
+_HOLDERS = {dict, list, tuple, set, frozenset}
+
+
+def _split(children: Iterable[Any]) -> tuple[int, list[Any]]:
+    """What the leaves among ``children`` weigh, and the containers among them (in order)."""
+    leaves = 0
+    kids = []
+    for kid in children:
+        kind = type(kid)
+        if kind in _ONE:
+            leaves += 1
+        elif kind in _SIZED:
+            leaves += 1 + len(kid)
+        elif kind in _HOLDERS or _children(kid) is not None:
+            kids.append(kid)
+        else:
+            leaves += _weight(kid)
+    return leaves, kids

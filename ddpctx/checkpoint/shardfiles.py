@@ -27,6 +27,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddpctx.checkpoint.files import (
     RefusedCheckpoint,
@@ -38,10 +39,14 @@ from ddpctx.checkpoint.files import (
     probe,
     quietly,
     refuse_a_file,
+    say_alike,
 )
+from ddpctx.checkpoint.listed import short_shard
+from ddpctx.checkpoint.regular import not_regular
 from ddpctx.checkpoint.sums import (
     SHARDED_MANIFEST,
     Damaged,
+    damaged_warning,
     found_damaged,
     intact,
     read_manifest,
@@ -84,7 +89,14 @@ def next_checkpoint_dir(directory: Path, epoch: object = None, step: int | None 
 
 
 def lacks_files(path: Path) -> bool:
-    """Whether the directory lacks ``ddpctx.pt`` or DCP's ``.metadata`` (warned: it is skipped)."""
+    """Whether the directory lacks ``ddpctx.pt`` or DCP's ``.metadata`` (warned: it is skipped).
+
+    One that is there but no regular file (a FIFO) is damage, said as what it is.
+    """
+    for name in (STATE_FILE, METADATA_FILE):
+        if why := not_regular(path / name):
+            warn_user(damaged_warning(path, why, path / SHARDED_MANIFEST), RuntimeWarning)
+            return True
     missing = [name for name in (STATE_FILE, METADATA_FILE) if not (path / name).is_file()]
     if not missing:
         return False
@@ -97,14 +109,15 @@ def lacks_files(path: Path) -> bool:
     return True
 
 
-def complete(path: Path) -> bool:
+def complete(path: Path, probed: dict[Path, dict[str, Any]] | None = None) -> bool:
     """Whether the directory holds a whole, undamaged checkpoint; warns (and says why) if not.
 
     For one process that reads the whole checkpoint (``load_weights``): every
     file is verified against the manifest before anything in it is unpickled,
     and DCP's ``.metadata`` is unpickled restricted (a refused one is an error).
+    ``probed`` receives its ``ddpctx.pt``'s state, by ``path``.
     """
-    from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+    from ddpctx.checkpoint.dcpread import read_metadata
 
     if lacks_files(path):
         return False
@@ -131,31 +144,40 @@ def complete(path: Path) -> bool:
             RuntimeWarning,
         )
         return False
-    return probe(path / STATE_FILE, verified=recorded is not None) is not None
+    state = probe(path / STATE_FILE, verified=recorded is not None)
+    if state is not None and probed is not None:
+        probed[path] = state
+    return state is not None
 
 
 def newest_is_sharded(directory: Path) -> bool:
     """Whether the highest-numbered checkpoint in ``directory`` is a sharded one (loaded or not).
 
     What ``load_checkpoint`` of an unsharded model decides by: it then reads sharded checkpoints.
+    A sharded one and a file of one number (copied in, see
+    :func:`~ddpctx.checkpoint.files.say_alike`): the sharded one, which every model loads.
     """
     dirs, files = checkpoint_dirs(directory), checkpoint_paths(directory)
-    return bool(dirs) and (not files or number_of(dirs[0]) > number_of(files[0]))
+    return bool(dirs) and (not files or number_of(dirs[0]) >= number_of(files[0]))
 
 
-def newest_checkpoint_dir(directory: Path) -> Path | None:
+def newest_checkpoint_dir(
+    directory: Path, probed: dict[Path, dict[str, Any]] | None = None
+) -> Path | None:
     """The newest complete sharded checkpoint; None when there is no checkpoint at all.
 
     For one process that reads the whole checkpoint (every file verified). A
     single-file checkpoint newer than it (the run went on unsharded) is an
     error: loading the older sharded one would silently go back in time.
+    ``probed`` receives its ``ddpctx.pt``'s state (:func:`complete`).
     """
     refuse_a_file(directory)
     found = checkpoint_dirs(directory)
     files = [path.name for path in checkpoint_paths(directory)]
     for path in found:
-        if complete(path):
+        if complete(path, probed):
             refuse_newer_file(directory, path, files)
+            say_alike(directory, path)
             return path
     if found or files:
         raise none_loads(directory, [path.name for path in found], files)
@@ -199,7 +221,7 @@ def _looks_whole(path: Path) -> bool:
         if sizes_differ(manifest, path, (STATE_FILE, METADATA_FILE)) is not None:
             return False
     else:
-        from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+        from ddpctx.checkpoint.dcpread import read_metadata
 
         try:
             if short_shard(path, read_metadata(path / METADATA_FILE, None)):

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from ddpctx.checkpoint import perrank
-from ddpctx.checkpoint.files import bare, check_world_size, read_state
+from ddpctx.checkpoint.files import bare, check_world_size, read_state, say_alike
+from ddpctx.checkpoint.listed import check_listed, short_shard
 from ddpctx.checkpoint.resume import _check_extra, derived_seed
 from ddpctx.checkpoint.schedules import check_scheduler
 from ddpctx.checkpoint.sharded import _refuse_sharded_extra, sharded_state
@@ -73,13 +74,14 @@ from ddpctx.utils.warn import warn_user
 
 def read_small(
     place: Place, path: Path, device: torch.device
-) -> tuple[dict[str, Any], Any, dict[str, Recorded] | None]:
-    """This rank's ``ddpctx.pt`` state, DCP metadata and manifest of ``path``, verified.
+) -> tuple[dict[str, Any], Any, dict[str, Recorded] | None, tuple[str, ...]]:
+    """This rank's ``ddpctx.pt`` state, DCP metadata and manifest of ``path``, verified; and
+    the files the manifest lists that this rank lacks (:mod:`ddpctx.checkpoint.listed`).
 
     :class:`~ddpctx.checkpoint.sums.Damaged` (or ``Torn``) for a file that is
     not as saved; ``RefusedCheckpoint`` for one refused as unsafe.
     """
-    from ddpctx.checkpoint.dcpread import read_metadata, short_shard
+    from ddpctx.checkpoint.dcpread import files_read, read_metadata
 
     manifest = path / SHARDED_MANIFEST
     recorded: dict[str, Recorded] | None = None
@@ -99,7 +101,14 @@ def read_small(
     metadata = read_metadata(path / METADATA_FILE, recorded)
     if recorded is None and (why := short_shard(path, metadata)):
         raise Torn(str(path), why)
-    return state, metadata, recorded
+    lacking: tuple[str, ...] = ()
+    if recorded is not None:  # each listed file: here, or on another rank (listed)
+        lacking = check_listed(recorded, path, {STATE_FILE, METADATA_FILE, *files_read(metadata)})
+    return state, metadata, recorded, lacking
+
+
+def _lacking(small: tuple[dict[str, Any], Any, Any, tuple[str, ...]]) -> tuple[str, ...]:
+    return small[3]
 
 
 def load(
@@ -136,6 +145,8 @@ def load(
             place, device, path, listed, model, optimizer, scheduler, allow_world_size_change
         )
         if attempt is not None:
+            if place.rank == 0:
+                say_alike(directory, path)
             state, changed = attempt
             return _restore_rest(
                 place,
@@ -166,13 +177,14 @@ def _load_shards(
     world size changed. None (on every rank) when some rank found it damaged or torn.
     """
     manifest = path / SHARDED_MANIFEST
-    whole_here, small = read_together(
-        place, path, manifest, partial(read_small, place, path, device)
+    outcome = read_together(
+        place, path, manifest, partial(read_small, place, path, device), _lacking
     )
+    whole_here, small = outcome  # in two steps: unpacked at once, mypy infers T | None for T
     if not whole_here:
         return None
     assert small is not None
-    state, metadata, recorded = small
+    state, metadata, recorded, _ = small
     refuse_newer_file(path.parent, path, listed.files)
     changed = check_world_size(state, path, place.world_size, allow_world_size_change)
     if changed:

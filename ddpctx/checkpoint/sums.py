@@ -82,6 +82,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpctx.checkpoint.regular import (
+    NOT_REGULAR,
+    NotRegular,
+    describe,
+    not_regular,
+    open_regular,
+)
 from ddpctx.utils.atomic import fsync_directory, no_space_error, temporary_name
 from ddpctx.utils.digest import NAMES, Hasher, UnknownAlgorithm, chosen, hasher
 from ddpctx.utils.warn import warn_user
@@ -197,7 +204,7 @@ def file_record(
     sums: list[Hasher] = [hasher(algorithm) for _ in wanted]
     whole = hasher(algorithm)
     position, first = 0, 0
-    with open(path, "rb", buffering=0) as stream:
+    with open_regular(path, buffering=0) as stream:
         buffer = bytearray(_CHUNK)
         view = memoryview(buffer)
         while count := stream.readinto(buffer):
@@ -289,15 +296,6 @@ def unverifiable(path: Path, error: UnknownAlgorithm) -> RefusedCheckpoint:
     )
 
 
-def _regular_file_bytes(path: Path) -> bytes:
-    """The bytes of ``path``; OSError, never a wait, when it is no regular file (a FIFO)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO waits otherwise
-    with os.fdopen(descriptor, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise OSError(f"{str(path)!r} is not a regular file (a pipe or a device)")
-        return stream.read()
-
-
 def read_manifest(path: Path) -> dict[str, Recorded] | str:
     """The recorded sums, or why the manifest itself is damaged.
 
@@ -306,7 +304,10 @@ def read_manifest(path: Path) -> dict[str, Recorded] | str:
     an algorithm this ddpctx cannot compute is :class:`RefusedCheckpoint` naming it.
     """
     try:
-        text = _regular_file_bytes(path).decode("utf-8")
+        with open_regular(path) as stream:
+            text = stream.read().decode("utf-8")
+    except NotRegular as error:  # a FIFO: damage, never a wait (opening one waits for a writer)
+        return f"its manifest {error}"
     except (OSError, UnicodeDecodeError) as error:
         return f"its manifest {path.name!r} cannot be read ({type(error).__name__}: {error})"
     body, _, trailer = text.removesuffix("\n").rpartition("\n")
@@ -347,9 +348,12 @@ def file_damage(path: Path, recorded: Recorded) -> str | None:
     """None when the file at ``path`` has the recorded size and checksum (one read); else why."""
     name = path.name
     try:
-        seen_size = path.stat().st_size
+        status = path.stat()
     except FileNotFoundError:
         return f"{name!r} is missing (it was saved with {recorded.size} bytes)"
+    if not stat.S_ISREG(status.st_mode):  # a FIFO's size is 0: never "0 bytes", never opened
+        return describe(path, status.st_mode)
+    seen_size = status.st_size
     if seen_size != recorded.size:
         return f"{name!r} has {seen_size} bytes, and {recorded.size} were saved (torn or truncated)"
     if recorded.digest == OF_PARTS:  # a shard: each of its entries' checksums, one read
@@ -376,9 +380,12 @@ def verified_bytes(path: Path, recorded: Recorded | None) -> bytes:
     :class:`Damaged` when they are not the bytes saved, or cannot be read.
     """
     try:
-        data = path.read_bytes()
+        with open_regular(path) as stream:
+            data = stream.read()
     except FileNotFoundError as error:
         raise Damaged(str(path), f"{path.name!r} is missing") from error
+    except NotRegular as error:  # a FIFO: damage, never a wait
+        raise Damaged(str(path), str(error)) from error
     except OSError as error:
         raise Damaged(str(path), f"{path.name!r} cannot be read ({error})") from error
     if recorded is None:
@@ -424,9 +431,12 @@ def sizes_differ(manifest: Path, folder: Path, must_list: tuple[str, ...]) -> st
             return f"its manifest {manifest.name!r} does not list {name!r}"
     for name, record in recorded.items():
         try:
-            size = (folder / name).stat().st_size
+            status = (folder / name).stat()
         except FileNotFoundError:
             return f"{name!r} is missing"
+        if not stat.S_ISREG(status.st_mode):
+            return describe(folder / name, status.st_mode)
+        size = status.st_size
         if size != record.size:
             return f"{name!r} has {size} bytes, and {record.size} were saved"
     return None
@@ -447,6 +457,13 @@ def damaged_warning(
 ) -> str:
     """The warning a checkpoint skipped as damaged is skipped with (``rank``: who found it)."""
     found = "" if rank is None else f" (found by rank {rank}, reading its copy{also})"
+    if NOT_REGULAR in reason and not reason.startswith("its manifest"):
+        return (  # removing the manifest would not help: the file is no checkpoint's
+            f"skipping {str(where)!r}: it is damaged: {reason}{found}. A checkpoint's files are "
+            "regular files, so it is not loaded (nor opened: that would wait); trying an older "
+            f"checkpoint. Put the file saved in its place, or move {str(where)!r} out of the "
+            "directory."
+        )
     return (
         f"skipping {str(where)!r}: it is damaged: {reason}{found}. It was altered or corrupted "
         "after it was saved, so it is not loaded; trying an older checkpoint. (If you changed "
@@ -459,6 +476,10 @@ def intact(manifest: Path, folder: Path, must_list: tuple[str, ...], where: Path
 
     A damaged one is skipped with a warning naming the file and both checksums.
     """
+    for name in must_list:  # a FIFO named like its file: damage, said as what it is
+        if why := not_regular(folder / name):
+            warn_user(damaged_warning(where, why, manifest), RuntimeWarning)
+            return False
     if not manifest.exists():
         warn_user(unverified_warning(where, manifest), RuntimeWarning)
         return True

@@ -19,6 +19,15 @@ checkpoint from the newest:
 A sharded checkpoint's shards are read after that agreement, and what the
 ranks found reading them is agreed the same way (a second vote).
 
+The first vote also carries the files the checkpoint's manifest lists that a
+rank's view lacks (:mod:`ddpctx.checkpoint.listed`): a file that **every**
+rank lacks is missing from the checkpoint, which every rank then skips as
+damaged, warned naming the file; one that some rank holds is no finding (the
+ranks may not share a file system). This is the decision of the one-process
+readers (``checkpoint_meta``, ``load_weights``, the export), which require every
+listed file in the one directory they read: where the ranks share it, all
+readers pick the same checkpoint.
+
 A rank killed or interrupted while the others wait in a vote is named by
 them (:mod:`ddpctx.reduce.rollcall`), not left to the transport's "Connection
 closed by peer".
@@ -27,7 +36,7 @@ This module knows ranks only through a :class:`~ddpctx.utils.identity.Place`.
 
 Example:
     >>> finding_of(Damaged("/c/a.pt", "'a.pt' is missing"))
-    Finding(kind='damaged', file='/c/a.pt', message="'a.pt' is missing")
+    Finding(kind='damaged', file='/c/a.pt', message="'a.pt' is missing", lacking=())
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ddpctx.checkpoint.files import RefusedCheckpoint
+from ddpctx.checkpoint.listed import missing_said
 from ddpctx.checkpoint.sums import Damaged, Torn, damaged_warning, remember_damaged
 from ddpctx.reduce.objects import all_gather_rare
 from ddpctx.reduce.rollcall import ROLL_CALL_S, is_peer_gone, missing_ranks, who_left_text
@@ -51,9 +61,10 @@ T = TypeVar("T")
 class Finding:
     """What one rank found wrong reading a checkpoint: ``kind`` of ``file``, and why."""
 
-    kind: str  # "damaged", "torn", "refused", or "failed" (any other error)
+    kind: str  # "damaged", "torn", "refused", "failed" (any other error), or "lacking"
     file: str
     message: str
+    lacking: tuple[str, ...] = ()  # "lacking": the listed files this rank's view lacks
 
 
 def finding_of(error: BaseException) -> Finding | None:
@@ -68,12 +79,19 @@ def finding_of(error: BaseException) -> Finding | None:
 
 
 def read_together(
-    place: Place, where: Path, manifest: Path, read: Callable[[], T]
+    place: Place,
+    where: Path,
+    manifest: Path,
+    read: Callable[[], T],
+    lacking: Callable[[T], tuple[str, ...]] = lambda _: (),
 ) -> tuple[bool, T | None]:
     """``read()`` on every rank (its own files), then one gather: whether ``where`` is whole.
 
-    (True, its value) when no rank found anything; (False, None) on every rank
-    when some rank found a file damaged or torn (warned, see :func:`whole`).
+    ``lacking``: the files the manifest lists that this rank's view lacks, from what
+    ``read`` returned. (True, its value) when no rank found anything, or some files
+    lacking on some ranks only; (False, None) on every rank when some rank found a
+    file damaged or torn, or a listed file is lacking on every rank (warned, see
+    :func:`whole`).
     Refused on any rank: ``RefusedCheckpoint`` on every rank; another error on
     some rank: that error there, and a ``RuntimeError`` naming it on the others
     (never a rank left waiting in the gather).
@@ -83,6 +101,8 @@ def read_together(
     failure: Exception | None = None
     try:
         value = read()
+        if names := lacking(value):
+            found = Finding("lacking", str(where), "", names)
     except (Damaged, RefusedCheckpoint) as error:
         found = finding_of(error)
     except Exception as error:
@@ -145,9 +165,10 @@ def whole(place: Place, where: Path, manifest: Path, findings: dict[int, Finding
     """Whether ``where`` may be loaded, given every rank's ``findings`` (the same on every rank).
 
     Refused on any rank: :class:`RefusedCheckpoint` on every rank. Damaged or torn
-    on any: False on every rank, with a warning on rank 0 and on each rank that
-    found it, naming the file and the rank.
+    on any, or a listed file lacking on every rank: False on every rank, with a
+    warning on rank 0 and on each rank that found it, naming the file and the rank.
     """
+    findings = missing_everywhere(place, where, findings)
     if not findings:
         return True
     failed = sorted((rank, f) for rank, f in findings.items() if f.kind == "failed")
@@ -168,6 +189,22 @@ def whole(place: Place, where: Path, manifest: Path, findings: dict[int, Finding
         rank = place.rank if place.rank in findings else min(findings)
         warn_user(_skipped(where, manifest, findings, rank, place.world_size), RuntimeWarning)
     return False
+
+
+def missing_everywhere(
+    place: Place, where: Path, findings: dict[int, Finding]
+) -> dict[int, Finding]:
+    """``findings`` with the ranks' lacking files decided: missing when every rank lacks them.
+
+    A file that some rank holds is no finding: the ranks may not share a file system.
+    """
+    lacking = [set(f.lacking) for f in findings.values() if f.kind == "lacking"]
+    decided = {rank: f for rank, f in findings.items() if f.kind != "lacking"}
+    if len(lacking) < place.world_size or not (gone := set.intersection(*lacking)):
+        return decided
+    first = where / min(gone)
+    said = missing_said(gone, place.world_size)
+    return {rank: Finding("damaged", str(first), said) for rank in range(place.world_size)}
 
 
 def _skipped(
