@@ -98,6 +98,21 @@ class RankCapture:
             sys.stdout, sys.stderr = saved
 
 
+def _outside_the_parents_given() -> contextlib.AbstractContextManager[None]:
+    """The body runs outside any hypothesis ``@given`` test of the parent's.
+
+    A rank forked while the parent ran a ``@given`` test (the pool restarted a rank
+    from inside one) inherits that test's context, which hypothesis keeps per thread:
+    every ``@given`` test the rank ran next failed as "nested" (a CI failure).
+    """
+    control = sys.modules.get("hypothesis.control")
+    variable = getattr(control, "_current_build_context", None)
+    with_value = getattr(variable, "with_value", None)
+    if with_value is None or getattr(variable, "value", None) is None:
+        return contextlib.nullcontext()
+    return with_value(None)  # type: ignore[no-any-return]
+
+
 def call_test_body(test: Callable[..., Any], funcargs: dict[str, Any]) -> None:
     """Run on each rank (inside ``distributed()`` unless the test formed its own group).
 
@@ -115,7 +130,10 @@ def call_test_body(test: Callable[..., Any], funcargs: dict[str, Any]) -> None:
     for name in captured:
         funcargs[name] = capture
     try:
-        with capture.installed() if captured else contextlib.nullcontext():
+        with (
+            capture.installed() if captured else contextlib.nullcontext(),
+            _outside_the_parents_given(),
+        ):
             result = test(**funcargs)
             if inspect.iscoroutine(result):
                 asyncio.run(result)
